@@ -1,0 +1,38 @@
+# Quick start: `make run` (every service on the embedded default) and `make test` (everything CI runs).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install run test check-generated lint typecheck pytest generate bench
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+run: install
+	$(BIN)/python -m services
+
+test: install check-generated lint typecheck pytest
+
+check-generated: install
+	$(BIN)/python -m shared.protos.generate --check
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy shared services bench
+
+pytest: install
+	$(BIN)/python -m pytest -q
+
+generate: install
+	$(BIN)/python -m shared.protos.generate
+
+bench: install
+	$(BIN)/python bench/directory.py

@@ -1,0 +1,1 @@
+"""The Directory service: registration, discovery and health checking of Cogment services."""

@@ -1,0 +1,162 @@
+"""The directory's rules: who may see and remove what, permanent entries, ordering and load
+balancing. Requests arrive here already validated by the gRPC layer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import random
+import time
+
+from prometheus_client import Counter
+
+from services.directory.health import HealthChecker
+from services.directory.model import COGMENT, CheckTarget, Entry, Inquiry, Registration
+from services.directory.store import DirectoryStore, sha256_hex
+from shared.load import UNSERVICEABLE
+from shared.logging import get_logger
+
+# A result checked this recently is reused by `check_on_inquire` (as in the reference).
+RECENT_CHECK_NS = 100_000_000
+# Load balancing keeps entries within this much of the least loaded one.
+ACCEPTABLE_LOAD_RANGE = 10
+
+log = get_logger("directory.core")
+registrations_total = Counter(
+    "cogment_directory_registrations_total", "Registrations by outcome.", ["outcome"]
+)
+deregistrations_total = Counter(
+    "cogment_directory_deregistrations_total", "Deregistrations by outcome.", ["outcome"]
+)
+
+
+class DeregistrationError(Exception):
+    pass
+
+
+def derive_secret(key: bytes, service_id: int, nonce: str) -> str:
+    """The secret of an entry: 256 bits, URL-safe, never stored (only its nonce is)."""
+    mac = hmac.new(key, f"{service_id}:{nonce}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).rstrip(b"=").decode("ascii")
+
+
+class Directory:
+    def __init__(
+        self,
+        store: DirectoryStore,
+        checker: HealthChecker,
+        secret_key: bytes,
+        *,
+        force_permanent: bool = False,
+        load_balancing: bool = False,
+        check_on_inquire: bool = False,
+        registration_lag_s: int = 0,
+    ) -> None:
+        self._store = store
+        self._checker = checker
+        self._secret_key = secret_key
+        self.force_permanent = force_permanent
+        self.load_balancing = load_balancing
+        self.check_on_inquire = check_on_inquire
+        self.registration_lag_s = registration_lag_s
+
+    async def register(self, registration: Registration, token: str) -> tuple[int, str]:
+        """Store the registration; returns (service id, secret). Never waits for a health check."""
+        if self.force_permanent and not registration.permanent:
+            registration = Registration(
+                registration.endpoint, registration.service_type, registration.properties, permanent=True
+            )
+        service_id, nonce, created = await self._store.add(registration, sha256_hex(token), time.time_ns())
+        registrations_total.labels("created" if created else "updated").inc()
+        log.debug(
+            "registered",
+            service_id=service_id,
+            type=registration.service_type,
+            host=registration.endpoint.host,
+            port=registration.endpoint.port,
+            permanent=registration.permanent,
+            updated_in_place=not created,
+        )
+        if registration.health_checked:
+            self._checker.wake()
+        return service_id, derive_secret(self._secret_key, service_id, nonce)
+
+    async def deregister(self, service_id: int, secret: str, token: str) -> None:
+        credentials = await self._store.credentials(service_id)
+        if credentials is None:
+            deregistrations_total.labels("unknown").inc()
+            raise DeregistrationError(
+                f"Failed to deregister service ID [{service_id}]: Unknown service ID [{service_id}]"
+            )
+        token_digest, nonce = credentials
+        expected = derive_secret(self._secret_key, service_id, nonce)
+        token_ok = hmac.compare_digest(token_digest, sha256_hex(token))
+        secret_ok = hmac.compare_digest(expected.encode(), secret.encode("utf-8", "surrogatepass"))
+        if not (token_ok and secret_ok):
+            deregistrations_total.labels("refused").inc()
+            raise DeregistrationError(
+                f"Failed to deregister service ID [{service_id}]: Authentication failure"
+            )
+        await self._store.remove(service_id)
+        deregistrations_total.labels("removed").inc()
+        log.debug("deregistered", service_id=service_id)
+
+    async def inquire(self, inquiry: Inquiry, token: str) -> list[Entry]:
+        """Healthy matching entries visible with `token`: most recent first, or load balanced."""
+        token_digest = sha256_hex(token)
+        entries = await self._find(inquiry, token_digest)
+        for _ in range(self.registration_lag_s):
+            if entries:
+                break
+            await asyncio.sleep(1.0)
+            entries = await self._find(inquiry, token_digest)
+        return self._balance(entries) if self.load_balancing else entries
+
+    async def _find(self, inquiry: Inquiry, token_digest: str) -> list[Entry]:
+        entries = await self._store.find(inquiry, token_digest)
+        if self.check_on_inquire and entries:
+            entries = await self._recheck(entries)
+        return entries
+
+    async def _recheck(self, entries: list[Entry]) -> list[Entry]:
+        now = time.time_ns()
+        stale = [
+            entry
+            for entry in entries
+            if not entry.permanent
+            and entry.endpoint.protocol != COGMENT
+            and now - entry.last_check_at > RECENT_CHECK_NS
+        ]
+        if not stale:
+            return entries
+        targets = [
+            CheckTarget(e.service_id, e.endpoint, e.service_type, e.failed_checks, e.load) for e in stale
+        ]
+        results = await self._checker.check_now(targets, rounds=1)
+        kept = []
+        for entry in entries:
+            result = results.get(entry.service_id)
+            if result is None:
+                kept.append(entry)
+            elif result.healthy:
+                if result.load is not None:
+                    entry.load = result.load
+                kept.append(entry)
+        return kept
+
+    @staticmethod
+    def _balance(entries: list[Entry]) -> list[Entry]:
+        """Least loaded first: drop unserviceable entries (load 255), keep those within
+        ACCEPTABLE_LOAD_RANGE of the lowest load, and shuffle them to spread the work."""
+        serviceable = [entry for entry in entries if entry.load < UNSERVICEABLE]
+        if not serviceable:
+            return []
+        lowest = min(entry.load for entry in serviceable)
+        kept = [entry for entry in serviceable if entry.load <= lowest + ACCEPTABLE_LOAD_RANGE]
+        random.shuffle(kept)
+        return kept
+
+    async def entry_counts(self) -> tuple[int, int]:
+        return await self._store.count_healthy()

@@ -1,0 +1,98 @@
+"""The directory's vocabulary, shared by its gRPC layer, core, store and health checker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.api import directory_pb2
+
+GRPC = directory_pb2.ServiceEndpoint.GRPC
+GRPC_SSL = directory_pb2.ServiceEndpoint.GRPC_SSL
+COGMENT = directory_pb2.ServiceEndpoint.COGMENT
+VALID_PROTOCOLS = frozenset({GRPC, GRPC_SSL, COGMENT})
+
+OTHER_SERVICE = directory_pb2.OTHER_SERVICE
+UNKNOWN_SERVICE = directory_pb2.UNKNOWN_SERVICE
+VALID_SERVICE_TYPES = frozenset(
+    {*range(directory_pb2.TRIAL_LIFE_CYCLE_SERVICE, directory_pb2.DIRECTORY_SERVICE + 1), OTHER_SERVICE}
+)
+
+# gRPC service answering Status/Version for each Cogment service type (used by health checks).
+GRPC_SERVICE_BY_TYPE: dict[int, str] = {
+    directory_pb2.TRIAL_LIFE_CYCLE_SERVICE: "TrialLifecycleSP",
+    directory_pb2.CLIENT_ACTOR_CONNECTION_SERVICE: "ClientActorSP",
+    directory_pb2.ACTOR_SERVICE: "ServiceActorSP",
+    directory_pb2.ENVIRONMENT_SERVICE: "EnvironmentSP",
+    directory_pb2.PRE_HOOK_SERVICE: "TrialHooksSP",
+    directory_pb2.DATALOG_SERVICE: "DatalogSP",
+    directory_pb2.DATASTORE_SERVICE: "TrialDatastoreSP",
+    directory_pb2.MODEL_REGISTRY_SERVICE: "ModelRegistrySP",
+    directory_pb2.DIRECTORY_SERVICE: "DirectorySP",
+}
+
+# Largest service id: ids are random non-zero 63-bit integers (they fit a signed BIGINT).
+MAX_SERVICE_ID = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    protocol: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A validated registration request."""
+
+    endpoint: Endpoint
+    service_type: int
+    properties: dict[str, str]
+    permanent: bool
+
+    @property
+    def health_checked(self) -> bool:
+        """Permanent entries and COGMENT endpoints (clients, not network services) are never checked."""
+        return not self.permanent and self.endpoint.protocol in (GRPC, GRPC_SSL)
+
+
+@dataclass
+class Entry:
+    """A stored registration, as inquiries return it."""
+
+    service_id: int
+    endpoint: Endpoint
+    service_type: int
+    properties: dict[str, str]
+    permanent: bool
+    registered_at: int
+    load: int = 0
+    failed_checks: int = 0
+    last_check_at: int = 0
+
+
+@dataclass(frozen=True)
+class Inquiry:
+    """Either one service id, or a type (UNKNOWN_SERVICE = any) and a property subset."""
+
+    service_id: int | None = None
+    service_type: int = UNKNOWN_SERVICE
+    properties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckTarget:
+    """What the health checker needs to know of an entry."""
+
+    service_id: int
+    endpoint: Endpoint
+    service_type: int
+    failed_checks: int
+    load: int
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    healthy: bool
+    # None keeps the previous load (TCP checks cannot read one).
+    load: int | None = None

@@ -1,0 +1,138 @@
+"""The Directory service: its options and its life cycle on the shared server bootstrap."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from prometheus_client import Gauge
+
+from services.directory.core import Directory
+from services.directory.health import HealthChecker
+from services.directory.servicer import DirectoryServicer
+from services.directory.store import DirectoryStore
+from shared.api import directory_pb2, directory_pb2_grpc
+from shared.config import Option, non_negative_int, parse_bool, positive_float
+from shared.db import Database
+from shared.logging import get_logger
+from shared.server import Service, ServiceRuntime, database_url, service_options
+
+DEFAULT_PORT = 9005
+ENV_PREFIX = "COGMENT_DIRECTORY"
+GAUGE_PERIOD_S = 5.0
+
+OPTIONS: list[Option] = [
+    *service_options(ENV_PREFIX, DEFAULT_PORT),
+    Option(
+        "registration_lag",
+        "seconds an inquiry with no match keeps retrying (once a second)",
+        0,
+        f"{ENV_PREFIX}_REGISTRATION_LAG",
+        non_negative_int,
+    ),
+    Option(
+        "load_balancing",
+        "answer inquiries with the least loaded services, shuffled",
+        False,
+        f"{ENV_PREFIX}_LOAD_BALANCING",
+        parse_bool,
+    ),
+    Option(
+        "check_on_inquire",
+        "health-check the matches of an inquiry before answering",
+        False,
+        f"{ENV_PREFIX}_CHECK_ON_INQUIRE",
+        parse_bool,
+    ),
+    Option(
+        "force_permanent",
+        "register every service as permanent (never health-checked)",
+        False,
+        f"{ENV_PREFIX}_FORCE_PERMANENT",
+        parse_bool,
+    ),
+    Option(
+        "health_check_interval",
+        "seconds between two health checks of an entry",
+        60.0,
+        f"{ENV_PREFIX}_HEALTH_CHECK_INTERVAL",
+        positive_float,
+    ),
+    Option(
+        "secret_key",
+        "key the registration secrets are derived from; the same for every replica "
+        "(default: generated once and kept in the database)",
+        None,
+        f"{ENV_PREFIX}_SECRET_KEY",
+    ),
+]
+
+log = get_logger("directory")
+entries_gauge = Gauge("cogment_directory_entries", "Registered entries, by health.", ["health"])
+
+
+class DirectoryService(Service):
+    name = "directory"
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self.database = Database(database_url(values, "directory"))
+        self.store = DirectoryStore(self.database)
+        self.checker = HealthChecker(self.store, values["health_check_interval"])
+        self._gauge_task: asyncio.Task[None] | None = None
+        self.directory: Directory | None = None
+
+    @property
+    def grpc_service_names(self) -> Sequence[str]:
+        return [directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"].full_name]
+
+    async def start(self, runtime: ServiceRuntime) -> None:
+        log.info("opening database", database=self.database.display_url)
+        await self.database.migrate()
+        values = self.values
+        directory = Directory(
+            self.store,
+            self.checker,
+            await self.store.secret_key(values["secret_key"]),
+            force_permanent=values["force_permanent"],
+            load_balancing=values["load_balancing"],
+            check_on_inquire=values["check_on_inquire"],
+            registration_lag_s=values["registration_lag"],
+        )
+        self.directory = directory
+
+        async def nb_entries() -> str:
+            return str(await self.store.count())
+
+        async def load_balancing() -> str:
+            return "enabled" if directory.load_balancing else "disabled"
+
+        runtime.add_status("nb_entries", nb_entries)
+        runtime.add_status("load_balancing", load_balancing)
+        self.checker.start()
+        self._gauge_task = asyncio.get_running_loop().create_task(self._publish_gauges())
+
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+        assert self.directory is not None, "start() comes first"
+        directory_pb2_grpc.add_DirectorySPServicer_to_server(
+            DirectoryServicer(self.directory, runtime), server
+        )
+
+    async def stop(self) -> None:
+        await self.checker.stop()
+        if self._gauge_task is not None:
+            self._gauge_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._gauge_task
+        await self.database.close()
+
+    async def _publish_gauges(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                total, unhealthy = await self.store.count_healthy()
+                entries_gauge.labels("healthy").set(total - unhealthy)
+                entries_gauge.labels("unhealthy").set(unhealthy)
+            await asyncio.sleep(GAUGE_PERIOD_S)

@@ -1,0 +1,124 @@
+"""Command-line flags backed by environment variables, with the reference's names.
+
+Each option has a flag (`--port`), an optional environment variable (`COGMENT_DIRECTORY_PORT`)
+and a default. Precedence: flag, then environment variable, then default. Environment variables
+may be set to an empty string, which counts as a value (as in the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+TRUE_WORDS = {"1", "true", "yes", "on", "t", "y"}
+FALSE_WORDS = {"0", "false", "no", "off", "f", "n", ""}
+
+
+def parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configuration value: `--flag`, its environment variable and its default."""
+
+    flag: str
+    help: str
+    default: Any = None
+    env: str | None = None
+    parse: Callable[[str], Any] = str
+    choices: Sequence[str] | None = None
+    aliases: Sequence[str] = ()
+
+    @property
+    def is_bool(self) -> bool:
+        return self.parse is parse_bool
+
+
+def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
+    for option in options:
+        names = [f"--{option.flag}", *(f"--{alias}" for alias in option.aliases)]
+        where = f" [env {option.env}]" if option.env else ""
+        default = "" if option.default is None else f" (default: {option.default})"
+        kwargs: dict[str, Any] = {
+            "dest": option.flag,
+            "default": argparse.SUPPRESS,
+            "help": f"{option.help}{default}{where}",
+            "type": option.parse,
+        }
+        if option.is_bool:
+            # `--flag` alone means true; `--flag=false` is accepted too.
+            kwargs.update(nargs="?", const=True, metavar="BOOL")
+        if option.choices:
+            kwargs["choices"] = option.choices
+        parser.add_argument(*names, **kwargs)
+
+
+def resolve(
+    parser: argparse.ArgumentParser,
+    options: Sequence[Option],
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Values of `options`: from the parsed flags, else the environment, else the defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for option in options:
+        if hasattr(args, option.flag):
+            values[option.flag] = getattr(args, option.flag)
+        elif option.env is not None and option.env in environ:
+            raw = environ[option.env]
+            try:
+                value = option.parse(raw)
+            except (ValueError, argparse.ArgumentTypeError) as error:
+                parser.error(f"invalid value for {option.env}: {error}")
+            if option.choices and value not in option.choices:
+                parser.error(
+                    f"invalid value for {option.env}: {raw!r} (choose from {', '.join(option.choices)})"
+                )
+            values[option.flag] = value
+        else:
+            values[option.flag] = option.default
+    return values
+
+
+def parse_options(
+    options: Sequence[Option],
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str,
+    description: str,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_options(parser, options)
+    return resolve(parser, options, parser.parse_args(argv), environ)

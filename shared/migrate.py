@@ -1,0 +1,54 @@
+"""Apply the suite's schema migrations: `python -m shared.migrate --database_url URL`.
+
+The services also migrate at start-up; this command exists for deployments that run migrations
+once, before the replicas start (e.g. a Kubernetes Job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from shared.config import Option, parse_options
+from shared.db import DEFAULT_DATA_DIR, Database, current_revision, default_database_url
+from shared.logging import configure_logging, get_logger, logging_options
+
+OPTIONS = [
+    Option("database_url", "SQLAlchemy URL of the database to migrate", None, "COGMENT_DATABASE_URL"),
+    Option(
+        "service",
+        "with no URL: migrate this service's default SQLite file",
+        "directory",
+        choices=["directory", "model_registry", "datastore"],
+    ),
+    Option("data_dir", "directory of the default SQLite files", DEFAULT_DATA_DIR, "COGMENT_DATA_DIR"),
+    *logging_options(),
+]
+
+
+async def migrate(url: str) -> str | None:
+    database = Database(url)
+    try:
+        await database.migrate()
+        async with database.engine.connect() as connection:
+            return await connection.run_sync(current_revision)
+    finally:
+        await database.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    values = parse_options(
+        OPTIONS, argv, prog="python -m shared.migrate", description=__doc__.splitlines()[0]
+    )
+    configure_logging(values["log_level"], values["log_format"], values["log_file"])
+    url = values["database_url"] or default_database_url(values["data_dir"], values["service"])
+    revision = asyncio.run(migrate(url))
+    get_logger("shared.migrate").info(
+        "schema up to date", database=Database(url).display_url, revision=revision
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

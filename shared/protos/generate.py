@@ -1,0 +1,101 @@
+"""Generate the Python protobuf code in `shared/api/` from `shared/protos/cogment/api/*.proto`.
+
+Usage: `python -m shared.protos.generate` to (re)write the generated files, or
+`python -m shared.protos.generate --check` to fail when the committed files drift from the protos.
+
+The protos keep the reference's file names under `cogment/api/` (they are part of the wire
+identity seen through reflection); the generated modules live in the `shared.api` package, so
+their cross-imports are rewritten from `cogment.api` to `shared.api`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc_tools
+
+PROTO_ROOT = Path(__file__).resolve().parent
+PROTO_DIR = PROTO_ROOT / "cogment" / "api"
+OUTPUT_DIR = PROTO_ROOT.parent / "api"
+IMPORT_PATTERN = re.compile(r"\bcogment\.api\b")
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+
+
+def _plugin(name: str) -> str:
+    candidate = Path(sys.executable).parent / name
+    found = candidate if candidate.exists() else shutil.which(name)
+    if found is None:
+        raise SystemExit(f"{name} not found: install the dev dependencies (mypy-protobuf)")
+    return str(found)
+
+
+def generate_into(target: Path) -> None:
+    """Run protoc over every proto file and write the rewritten modules into `target`."""
+    protos = sorted(PROTO_DIR.glob("*.proto"))
+    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    with tempfile.TemporaryDirectory() as raw_dir:
+        command = [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{well_known}",
+            f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
+            f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
+            f"--python_out={raw_dir}",
+            f"--grpc_python_out={raw_dir}",
+            f"--mypy_out=quiet:{raw_dir}",
+            f"--mypy_grpc_out=quiet:{raw_dir}",
+            *(str(proto.relative_to(PROTO_ROOT)) for proto in protos),
+        ]
+        subprocess.run(command, check=True)
+        target.mkdir(parents=True, exist_ok=True)
+        for produced in sorted((Path(raw_dir) / "cogment" / "api").iterdir()):
+            if produced.name.endswith(GENERATED_SUFFIXES):
+                text = IMPORT_PATTERN.sub("shared.api", produced.read_text())
+                (target / produced.name).write_text(text)
+
+
+def _generated_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
+
+
+def check() -> int:
+    with tempfile.TemporaryDirectory() as fresh_dir:
+        fresh = Path(fresh_dir)
+        generate_into(fresh)
+        expected, committed = _generated_files(fresh), _generated_files(OUTPUT_DIR)
+        drifted = sorted(set(expected) ^ set(committed))
+        drifted += [
+            name
+            for name in expected
+            if name in committed and not filecmp.cmp(fresh / name, OUTPUT_DIR / name, shallow=False)
+        ]
+    if drifted:
+        print("generated protobuf code is out of date: " + ", ".join(drifted), file=sys.stderr)
+        print("run `python -m shared.protos.generate` and commit the result", file=sys.stderr)
+        return 1
+    print("generated protobuf code is up to date")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the generated code drifted")
+    if parser.parse_args().check:
+        return check()
+    for stale in _generated_files(OUTPUT_DIR) if OUTPUT_DIR.exists() else []:
+        (OUTPUT_DIR / stale).unlink()
+    generate_into(OUTPUT_DIR)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

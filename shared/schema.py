@@ -1,0 +1,91 @@
+"""Tables of the whole suite, in one SQLAlchemy metadata (one migration history).
+
+Timestamps are integer nanoseconds since the Unix epoch, as on the wire.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+# ---- Directory ----
+
+directory_services = Table(
+    "directory_services",
+    metadata,
+    Column("service_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("registered_at", BigInteger, nullable=False),
+    Column("protocol", SmallInteger, nullable=False),
+    Column("host", Text, nullable=False),
+    Column("port", Integer, nullable=False),
+    Column("service_type", Integer, nullable=False),
+    # Canonical JSON (sorted keys) of the full property map, and its SHA-256 for exact matching.
+    Column("properties", Text, nullable=False),
+    Column("properties_digest", String(64), nullable=False),
+    Column("permanent", Boolean, nullable=False),
+    # SHA-256 of the authentication token: tokens are never stored in clear.
+    Column("token_digest", String(64), nullable=False),
+    # The secret is derived from this nonce with the directory key: it is never stored either.
+    Column("secret_nonce", String(64), nullable=False),
+    Column("failed_checks", Integer, nullable=False, default=0),
+    Column("load", SmallInteger, nullable=False, default=0),
+    Column("last_check_at", BigInteger, nullable=False, default=0),
+    # NULL for entries that are never checked (permanent, COGMENT protocol).
+    Column("next_check_at", BigInteger, nullable=True),
+    # A replica checking the entry holds it until then; an expired claim can be taken over.
+    Column("claimed_until", BigInteger, nullable=False, default=0),
+    Index(None, "token_digest", "service_type", "registered_at"),
+    Index(None, "next_check_at"),
+    # One permanent entry per (token, type, full property map): re-registrations update it.
+    Index(
+        "uq_directory_services_permanent_identity",
+        "token_digest",
+        "service_type",
+        "properties_digest",
+        unique=True,
+        sqlite_where=text("permanent = 1"),
+        postgresql_where=text("permanent"),
+    ),
+)
+
+directory_service_properties = Table(
+    "directory_service_properties",
+    metadata,
+    Column(
+        "service_id",
+        BigInteger,
+        ForeignKey("directory_services.service_id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("name", Text, primary_key=True),
+    Column("value", Text, nullable=False),
+    Index(None, "name", "value", "service_id"),
+)
+
+directory_settings = Table(
+    "directory_settings",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)

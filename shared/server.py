@@ -1,0 +1,409 @@
+"""Server bootstrap shared by every service.
+
+A service subclasses `Service` (start its storage and background work, add its servicers, stop)
+and calls `run_service()`. This module supplies the rest: the grpc.aio server and its port (0
+picks a free one, logged), `Version` and `Status` for every servicer (`VersionStatusMixin`), the
+standard `grpc.health.v1` health service, optional reflection, optional TLS and mTLS, per-call
+logging and Prometheus metrics, an unexpected-error guard (INTERNAL, never a crash), and a
+graceful shutdown on SIGTERM/SIGINT that drains in-flight calls within a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from shared import metrics
+from shared.api import common_pb2
+from shared.config import Option, parse_bool, port_number, positive_float
+from shared.db import DEFAULT_DATA_DIR, default_database_url
+from shared.load import LoadMonitor
+from shared.logging import get_logger, logging_options
+
+try:
+    PACKAGE_VERSION = distribution_version("cogment-aux")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    PACKAGE_VERSION = "0.0.0+source"
+
+# The Cogment release whose 2.x gRPC API these services implement.
+COGMENT_API_VERSION = "2.22.0"
+
+log = get_logger("shared.server")
+
+
+def service_options(env_prefix: str, default_port: int) -> list[Option]:
+    """Options every service has; `env_prefix` is e.g. `COGMENT_DIRECTORY`."""
+    return [
+        Option(
+            "port",
+            "gRPC port to listen on; 0 picks a free port",
+            default_port,
+            f"{env_prefix}_PORT",
+            port_number,
+        ),
+        Option("bind_address", "address to listen on", "0.0.0.0", f"{env_prefix}_BIND_ADDRESS"),
+        Option(
+            "grpc_reflection", "serve gRPC reflection", False, f"{env_prefix}_GRPC_REFLECTION", parse_bool
+        ),
+        Option(
+            "metrics_port",
+            "serve Prometheus metrics over HTTP on this port (off when unset)",
+            None,
+            f"{env_prefix}_METRICS_PORT",
+            port_number,
+        ),
+        Option(
+            "data_dir",
+            "directory of the embedded database and local files (created if missing)",
+            DEFAULT_DATA_DIR,
+            f"{env_prefix}_DATA_DIR",
+        ),
+        Option(
+            "database_url",
+            "SQLAlchemy URL: sqlite+aiosqlite:///FILE or postgresql+psycopg://... "
+            "(default: an SQLite file in the data directory)",
+            None,
+            f"{env_prefix}_DATABASE_URL",
+        ),
+        Option("tls_cert", "PEM server certificate file: serve TLS", None, f"{env_prefix}_TLS_CERT"),
+        Option("tls_key", "PEM private key file of the server certificate", None, f"{env_prefix}_TLS_KEY"),
+        Option(
+            "tls_client_ca",
+            "PEM CA bundle: require client certificates signed by it (mTLS)",
+            None,
+            f"{env_prefix}_TLS_CLIENT_CA",
+        ),
+        Option(
+            "shutdown_grace",
+            "seconds given to in-flight calls on shutdown",
+            5.0,
+            f"{env_prefix}_SHUTDOWN_GRACE",
+            positive_float,
+        ),
+        *logging_options(),
+    ]
+
+
+def database_url(values: dict[str, Any], service: str) -> str:
+    return str(values["database_url"] or default_database_url(values["data_dir"], service))
+
+
+StatusProvider = Callable[[], Awaitable[str]]
+
+
+class ServiceRuntime:
+    """What every servicer shares: versions, statuses and the load monitor."""
+
+    def __init__(self, service: str, load: LoadMonitor) -> None:
+        self.load = load
+        self._versions = [
+            ("cogment-api", COGMENT_API_VERSION),
+            ("grpc", grpc.__version__),
+            ("cogment-aux", PACKAGE_VERSION),
+            (f"cogment-aux-{service}", PACKAGE_VERSION),
+        ]
+        self._statuses: dict[str, StatusProvider] = {}
+        self.add_status("overall_load", self._overall_load)
+
+    async def _overall_load(self) -> str:
+        return str(self.load.overall_load)
+
+    def add_status(self, name: str, provider: StatusProvider) -> None:
+        self._statuses[name] = provider
+
+    def version_info(self) -> common_pb2.VersionInfo:
+        return common_pb2.VersionInfo(
+            versions=[common_pb2.VersionInfo.Version(name=name, version=v) for name, v in self._versions]
+        )
+
+    async def status_reply(self, names: Iterable[str]) -> common_pb2.StatusReply:
+        """Names are read in order, unknown ones ignored; `*` adds every status and ends the scan."""
+        wanted: list[str] = []
+        for name in names:
+            if name == "*":
+                wanted.extend(self._statuses)
+                break
+            if name in self._statuses:
+                wanted.append(name)
+        reply = common_pb2.StatusReply()
+        for name in dict.fromkeys(wanted):
+            reply.statuses[name] = await self._statuses[name]()
+        return reply
+
+
+class VersionStatusMixin:
+    """`Version` and `Status`, which every Cogment service answers the same way."""
+
+    runtime: ServiceRuntime
+
+    async def Version(self, request: common_pb2.VersionRequest, context: Any) -> common_pb2.VersionInfo:
+        return self.runtime.version_info()
+
+    async def Status(self, request: common_pb2.StatusRequest, context: Any) -> common_pb2.StatusReply:
+        return await self.runtime.status_reply(request.names)
+
+
+# ---- per-call logging, metrics and the unexpected-error guard ----
+
+_RPC_TYPES = {
+    (False, False): "unary",
+    (False, True): "server_stream",
+    (True, False): "client_stream",
+    (True, True): "bidi_stream",
+}
+_HANDLER_FACTORIES = {
+    "unary": (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+    "server_stream": (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+    "client_stream": (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+    "bidi_stream": (grpc.stream_stream_rpc_method_handler, "stream_stream"),
+}
+INTERNAL_ERROR_MESSAGE = "internal error (logged on the server)"
+
+
+@dataclass
+class _CallRecorder:
+    rpc: str
+    started: Any
+    handled: Callable[[str], Any]
+    seconds: Any
+
+    @classmethod
+    def for_method(cls, method: str, rpc_type: str) -> _CallRecorder:
+        service, _, name = method.lstrip("/").partition("/")
+        labels = (rpc_type, service, name)
+        return cls(
+            rpc=method,
+            started=metrics.started_total.labels(*labels),
+            handled=lambda code: metrics.handled_total.labels(*labels, code),
+            seconds=metrics.handling_seconds.labels(*labels),
+        )
+
+    def finish(self, code: grpc.StatusCode, started_at: float, context: Any) -> None:
+        elapsed = time.perf_counter() - started_at
+        self.handled(code.name).inc()
+        self.seconds.observe(elapsed)
+        if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+            log.debug("rpc", rpc=self.rpc, code=code.name, seconds=round(elapsed, 6), peer=context.peer())
+        else:
+            log.info(
+                "rpc failed",
+                rpc=self.rpc,
+                code=code.name,
+                details=context.details(),
+                peer=context.peer(),
+                seconds=round(elapsed, 6),
+            )
+
+
+def _final_code(context: Any) -> grpc.StatusCode:
+    code = context.code()
+    if code is None:
+        return grpc.StatusCode.OK
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
+async def _guard_unexpected(error: Exception, recorder: _CallRecorder, context: Any) -> None:
+    log.error("unexpected error in rpc", rpc=recorder.rpc, exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE)
+
+
+def _wrap_unary_response(behavior: Callable[..., Any], recorder: _CallRecorder) -> Callable[..., Any]:
+    async def handle(request: Any, context: Any) -> Any:
+        recorder.started.inc()
+        started_at = time.perf_counter()
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            result = await behavior(request, context)
+            code = _final_code(context)
+            return result
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            code = _final_code(context)
+            raise
+        except Exception as error:
+            code = grpc.StatusCode.INTERNAL
+            await _guard_unexpected(error, recorder, context)
+        finally:
+            recorder.finish(code, started_at, context)
+
+    return handle
+
+
+def _wrap_stream_response(behavior: Callable[..., Any], recorder: _CallRecorder) -> Callable[..., Any]:
+    async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
+        recorder.started.inc()
+        started_at = time.perf_counter()
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            async for response in behavior(request, context):
+                yield response
+            code = _final_code(context)
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            code = _final_code(context)
+            raise
+        except Exception as error:
+            code = grpc.StatusCode.INTERNAL
+            await _guard_unexpected(error, recorder, context)
+        finally:
+            recorder.finish(code, started_at, context)
+
+    return handle
+
+
+class ObservabilityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self._handlers: dict[str, Any] = {}
+
+    async def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        cached = self._handlers.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        rpc_type = _RPC_TYPES[(handler.request_streaming, handler.response_streaming)]
+        factory, attribute = _HANDLER_FACTORIES[rpc_type]
+        behavior = getattr(handler, attribute)
+        recorder = _CallRecorder.for_method(method, rpc_type)
+        if inspect.isasyncgenfunction(behavior):
+            wrapped = _wrap_stream_response(behavior, recorder)
+        else:
+            wrapped = _wrap_unary_response(behavior, recorder)
+        new_handler = factory(
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        self._handlers[method] = (handler, new_handler)
+        return new_handler
+
+
+# ---- the service life cycle ----
+
+
+class Service:
+    """One deployable service. Subclasses override what they need."""
+
+    name: str = "service"
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    @property
+    def grpc_service_names(self) -> Sequence[str]:
+        """Full names of the gRPC services served (for health and reflection)."""
+        raise NotImplementedError
+
+    async def start(self, runtime: ServiceRuntime) -> None:
+        """Open storage and start background work, before the port opens."""
+
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+        raise NotImplementedError
+
+    async def on_serving(self, port: int) -> None:
+        """Called once the port is open (e.g. to register in a directory)."""
+
+    async def on_shutdown(self) -> None:
+        """Called when shutdown begins, while calls still drain (e.g. to deregister)."""
+
+    async def stop(self) -> None:
+        """Called after the server stopped: release storage and background work."""
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _bind(server: grpc.aio.Server, values: dict[str, Any]) -> int:
+    address = f"{values['bind_address']}:{values['port']}"
+    if values["tls_cert"] or values["tls_key"]:
+        if not (values["tls_cert"] and values["tls_key"]):
+            raise SystemExit("--tls_cert and --tls_key go together")
+        client_ca = _read(values["tls_client_ca"]) if values["tls_client_ca"] else None
+        credentials = grpc.ssl_server_credentials(
+            [(_read(values["tls_key"]), _read(values["tls_cert"]))],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
+        port = server.add_secure_port(address, credentials)
+    elif values["tls_client_ca"]:
+        raise SystemExit("--tls_client_ca needs --tls_cert and --tls_key")
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise SystemExit(f"could not listen on {address}")
+    return int(port)
+
+
+async def serve(service: Service, stop_event: asyncio.Event | None = None) -> None:
+    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then shut it down gracefully."""
+    values = service.values
+    stop_event = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_event.set)
+
+    load = LoadMonitor()
+    load.start()
+    runtime = ServiceRuntime(service.name, load)
+    await service.start(runtime)
+
+    server = grpc.aio.server(interceptors=[ObservabilityInterceptor()])
+    service.add_servicers(server, runtime)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = list(service.grpc_service_names)
+    if values["grpc_reflection"]:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+    port = _bind(server, values)
+    await server.start()
+    for name in ["", *names]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    load.serviceable = True
+    log.info(
+        "serving",
+        service=service.name,
+        port=port,
+        address=values["bind_address"],
+        tls=bool(values["tls_cert"]),
+        mtls=bool(values["tls_client_ca"]),
+        version=PACKAGE_VERSION,
+    )
+    if values["metrics_port"] is not None:
+        metrics_port = metrics.serve_metrics(values["metrics_port"], values["bind_address"])
+        log.info("serving metrics", port=metrics_port, path="/metrics")
+    await service.on_serving(port)
+
+    await stop_event.wait()
+    log.info("shutting down", service=service.name, grace_seconds=values["shutdown_grace"])
+    load.serviceable = False
+    await health.enter_graceful_shutdown()
+    await service.on_shutdown()
+    await server.stop(values["shutdown_grace"])
+    await service.stop()
+    await load.stop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    log.info("stopped", service=service.name)

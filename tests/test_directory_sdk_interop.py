@@ -1,0 +1,358 @@
+"""Interoperability of our Directory with the OFFICIAL Cogment Python SDK 2.10.1.
+
+The SDK cannot live in the project's environment (Python <3.11, grpcio <1.49,
+protobuf <4), so it runs in a separate Python 3.10 venv (``tests/interop/sdk_env.py``)
+and drives our directory from ``tests/interop/sdk_directory_script.py``; the script
+prints one JSON object describing what the SDK registered, resolved and
+deregistered, and the tests below assert on it.  See the script's docstring for
+what the SDK sends to a directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.interop.sdk_env import PROJECT_ROOT, SdkEnvError, ensure_sdk_python
+
+
+def _shared_start_service() -> Callable[..., Any] | None:
+    """``tests.helpers.services.start_service`` when that shared helper exists."""
+    try:
+        module = importlib.import_module("tests.helpers.services")
+    except ImportError:
+        return None
+    start: Callable[..., Any] | None = getattr(module, "start_service", None)
+    return start
+
+
+SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_directory_script.py"
+SCRIPT_TIMEOUT = 240  # seconds; the script bounds itself at 120 s
+SERVER_START_TIMEOUT = 30.0
+
+ACTOR_IMPL = "interop_actor_impl"
+ACTOR_CLASSES = ("interop_class_a", "interop_class_b")
+ENV_IMPL = "interop_env_impl"
+SDK_PROPS = {"__registration_source": "PythonSDK-Implicit", "__version": "2.10.1"}
+
+# Building the SDK venv in a fresh clone downloads a few wheels: allow more than the default.
+pytestmark = pytest.mark.timeout(1200)
+
+
+def _clean_env() -> dict[str, str]:
+    """Environment for child processes: no inherited Cogment settings, no proxy for loopback."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("COGMENT_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+    }
+    for var in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
+        current = env.get(var, "")
+        env[var] = ",".join(x for x in (current, "127.0.0.1", "localhost") if x)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+@pytest.fixture(scope="session")
+def sdk_python() -> pathlib.Path:
+    """Interpreter of the venv holding the official SDK (built on first use)."""
+    try:
+        return ensure_sdk_python()
+    except SdkEnvError as exc:
+        pytest.fail(f"cannot set up the Cogment SDK environment: {exc}")
+
+
+class _OwnDirectory:
+    """Minimal subprocess start of our directory (used only without tests/helpers/services.py)."""
+
+    def __init__(self, db_dir: pathlib.Path) -> None:
+        self.log_lines: list[str] = []
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.directory",
+                "--port",
+                "0",
+                "--database_url",
+                f"sqlite+aiosqlite:///{db_dir / 'd.db'}",
+                "--log_format",
+                "json",
+            ],
+            cwd=PROJECT_ROOT,
+            env=_clean_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        ports: queue.Queue[int] = queue.Queue()
+
+        def drain() -> None:
+            assert self.process.stderr is not None
+            for line in self.process.stderr:
+                self.log_lines.append(line.rstrip("\n"))
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if (
+                    isinstance(record, dict)
+                    and record.get("event") == "serving"
+                    and isinstance(record.get("port"), int)
+                ):
+                    ports.put(record["port"])
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        port = None
+        while port is None and time.monotonic() < deadline:
+            try:
+                port = ports.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+        if port is None:
+            self.stop()
+            log = "\n".join(self.log_lines[-50:])
+            raise RuntimeError(f"directory did not report serving within {SERVER_START_TIMEOUT}s:\n{log}")
+        self.port = port
+        self.endpoint = f"grpc://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def directory_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    db_dir = tmp_path_factory.mktemp("sdk-interop-directory")
+    args = [
+        "--port",
+        "0",
+        "--database_url",
+        f"sqlite+aiosqlite:///{db_dir / 'd.db'}",
+        "--log_format",
+        "json",
+    ]
+    start_service = _shared_start_service()
+    if start_service is not None:
+        with start_service("services.directory", args, env=_clean_env()) as service:
+            yield str(service.endpoint)
+    else:
+        own = _OwnDirectory(db_dir)
+        try:
+            yield own.endpoint
+        finally:
+            own.stop()
+
+
+@pytest.fixture(scope="module")
+def sdk_report(
+    sdk_python: pathlib.Path, directory_endpoint: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Run the SDK script once against our directory and return its JSON report."""
+    workdir = tmp_path_factory.mktemp("sdk-interop-run")
+    try:
+        proc = subprocess.run(
+            [str(sdk_python), str(SCRIPT), directory_endpoint, "all"],
+            cwd=workdir,
+            env=_clean_env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=SCRIPT_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"SDK script hung for {SCRIPT_TIMEOUT}s; stderr tail:\n{str(exc.stderr)[-4000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if not lines:
+        pytest.fail(f"SDK script printed nothing (rc={proc.returncode}); stderr tail:\n{proc.stderr[-4000:]}")
+    try:
+        report: dict[str, Any] = json.loads(lines[-1])
+    except ValueError:
+        pytest.fail(f"SDK script output is not JSON: {lines[-1][:2000]}\nstderr:\n{proc.stderr[-4000:]}")
+    report["_stderr_tail"] = proc.stderr[-6000:]
+    report["_returncode"] = proc.returncode
+    return report
+
+
+def _grpc(port: int) -> str:
+    return f"grpc://127.0.0.1:{port}"
+
+
+def _explain(report: dict[str, Any], what: Any) -> str:
+    return f"{what}\nscript errors: {report.get('errors')}\nscript stderr tail:\n{report['_stderr_tail']}"
+
+
+def test_sdk_script_ran_cleanly(sdk_report: dict[str, Any]) -> None:
+    assert sdk_report["sdk_version"] == "2.10.1"
+    assert sdk_report["errors"] == [], _explain(sdk_report, "the SDK script reported errors")
+    assert sdk_report["_returncode"] == 0, _explain(sdk_report, "non-zero exit")
+
+
+def test_sdk_self_registration_visible_via_inquiry(sdk_report: dict[str, Any]) -> None:
+    registered = sdk_report["sdk_registered"]
+    port = sdk_report["served_port"]
+    assert isinstance(port, int) and port > 0
+
+    expected_types = {
+        "actor": "ACTOR_SERVICE",
+        "environment": "ENVIRONMENT_SERVICE",
+        "prehook": "PRE_HOOK_SERVICE",
+        "datalog": "DATALOG_SERVICE",
+    }
+    all_ids: list[int] = []
+    for kind, type_name in expected_types.items():
+        info = registered[kind]
+        assert info["code"] == "OK", _explain(sdk_report, f"raw inquire for {kind}: {info}")
+        entries = info["entries"]
+        assert len(entries) == (2 if kind == "actor" else 1), _explain(sdk_report, f"{kind}: {entries}")
+        for entry in entries:
+            assert entry["type"] == type_name
+            assert entry["protocol"] == "GRPC"
+            assert entry["host"] == "127.0.0.1"
+            assert entry["port"] == port
+            assert entry["permanent"] is False
+            assert entry["service_id"] > 0
+            props = entry["properties"]
+            for key, value in {**SDK_PROPS, "team": "blue"}.items():
+                assert props.get(key) == value, (kind, props)
+            all_ids.append(entry["service_id"])
+
+    assert len(set(all_ids)) == len(all_ids) == 5, all_ids
+    assert registered["environment"]["entries"][0]["properties"]["__implementation"] == ENV_IMPL
+    actors = registered["actor"]["entries"]
+    assert {a["properties"]["__implementation"] for a in actors} == {ACTOR_IMPL}
+    # The SDK registers class a, then class b: the most recently registered comes first.
+    assert [a["properties"]["__actor_class"] for a in actors] == [ACTOR_CLASSES[1], ACTOR_CLASSES[0]]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "actor_a",
+        "actor_b",
+        "actor_a_class_only",
+        "actor_impl_only",
+        "actor_user_prop",
+        "actor_sdk_props",
+        "environment",
+        "prehook",
+        "datalog",
+    ],
+)
+def test_discovery_resolves_to_sdk_served_endpoint(sdk_report: dict[str, Any], key: str) -> None:
+    result = sdk_report["discovery"][key]
+    assert result["error"] is None, _explain(sdk_report, result)
+    assert result["resolved"] == _grpc(sdk_report["served_port"]), _explain(sdk_report, result)
+
+
+def test_service_id_discovery(sdk_report: dict[str, Any]) -> None:
+    by_id = sdk_report["id_discovery"]
+    registered_ids = {
+        str(e["service_id"]) for info in sdk_report["sdk_registered"].values() for e in info["entries"]
+    }
+    assert set(by_id) == registered_ids and len(registered_ids) == 5
+    for result in by_id.values():
+        assert result["error"] is None, result
+        assert result["resolved"] == _grpc(sdk_report["served_port"]), result
+
+    aux = sdk_report["aux"]
+    assert aux["discovery"]["ds1_by_id"]["resolved"] == _grpc(aux["aux1_port"])
+    assert aux["discovery"]["ds2_by_id"]["resolved"] == _grpc(aux["aux2_port"])
+    assert aux["discovery"]["mr1_by_id"]["resolved"] == _grpc(aux["aux1_port"])
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "nomatch_actor_class",
+        "nomatch_wrong_value",
+        "nomatch_wrong_type",
+        "nomatch_empty_value",
+        "nomatch_modelregistry",
+        "nomatch_unknown_id",
+        "nomatch_id_zero",
+    ],
+)
+def test_no_match_returns_nothing_without_error(sdk_report: dict[str, Any], key: str) -> None:
+    # The SDK returns the unresolved cogment:// endpoint when the inquiry stream is
+    # empty; a gRPC error status would surface here as an AioRpcError.
+    result = sdk_report["discovery"][key]
+    assert result["error"] is None, _explain(sdk_report, result)
+    assert result["resolved"] == result["url"], _explain(sdk_report, result)
+
+
+def test_no_match_is_empty_ok_stream(sdk_report: dict[str, Any]) -> None:
+    assert sdk_report["raw_nomatch"] == {"code": "OK", "entries": []}
+    assert sdk_report["raw_nomatch_id"] == {"code": "OK", "entries": []}
+
+
+def test_most_recent_registration_wins_and_sdk_clients_reach_it(sdk_report: dict[str, Any]) -> None:
+    aux = sdk_report["aux"]
+    aux1, aux2 = _grpc(aux["aux1_port"]), _grpc(aux["aux2_port"])
+    discovery = aux["discovery"]
+    assert discovery["ds_latest"]["resolved"] == aux2, discovery["ds_latest"]
+    assert discovery["ds_any"]["resolved"] == aux2, discovery["ds_any"]
+    assert discovery["ds_first"]["resolved"] == aux1
+    assert discovery["ds_second"]["resolved"] == aux2
+    assert discovery["mr"]["resolved"] == aux1
+    assert discovery["ds_wrong_type"]["resolved"] == discovery["ds_wrong_type"]["url"]
+    assert all(length > 0 for length in aux["secret_lengths"].values()), aux["secret_lengths"]
+
+    public = aux["public_clients"]
+    assert public["datastore_latest"] == {"hit": ["aux2"], "error": None}
+    assert public["datastore_first"] == {"hit": ["aux1"], "error": None}
+    assert public["model_registry"] == {"hit": ["aux1"], "error": None}
+
+
+def test_deregistration_through_sdk_directory_object(sdk_report: dict[str, Any]) -> None:
+    aux = sdk_report["aux"]
+    # A wrong secret must not remove the entry.
+    assert aux["after_bad_secret_deregister"]["resolved"] == _grpc(aux["aux1_port"])
+    for key, result in aux["after_deregister"].items():
+        assert result["error"] is None, (key, result)
+        assert result["resolved"] == result["url"], (key, result)
+
+
+def test_authentication_token_through_context_metadata(sdk_report: dict[str, Any]) -> None:
+    tok = sdk_report["token"]
+    aux1 = _grpc(sdk_report["aux"]["aux1_port"])
+    assert tok["with_token"]["resolved"] == aux1
+    assert tok["with_token_by_id"]["resolved"] == aux1
+    # Entries registered with a token are invisible without it (and with another one).
+    assert tok["without_token"]["resolved"] == tok["without_token"]["url"]
+    assert tok["without_token_by_id"]["resolved"] == tok["without_token_by_id"]["url"]
+    assert tok["raw_wrong_token"] == {"code": "OK", "entries": []}
+    # Deregistration needs the token too.
+    assert tok["after_deregister_without_token"]["resolved"] == aux1
+    after = tok["after_deregister_with_token"]
+    assert after["resolved"] == after["url"]
+
+
+def test_sdk_deregisters_on_shutdown(sdk_report: dict[str, Any]) -> None:
+    dereg = sdk_report["sdk_deregistration"]
+    assert dereg["serve_task_finished"] is True
+    assert len(dereg["ids"]) == 5
+    assert dereg["remaining_ids"] == [], _explain(sdk_report, dereg)
+    for result in dereg["discovery_after"].values():
+        assert result["error"] is None
+        assert result["resolved"] == result["url"], result
