@@ -307,6 +307,8 @@ class Service:
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.values = values
+        # The bound port, once serving (the configured one may be 0).
+        self.port: int | None = None
 
     @property
     def grpc_service_names(self) -> Sequence[str]:
@@ -354,12 +356,15 @@ def _bind(server: grpc.aio.Server, values: dict[str, Any]) -> int:
     return int(port)
 
 
-async def serve(service: Service, stop_event: asyncio.Event | None = None) -> None:
+async def serve(
+    service: Service, stop_event: asyncio.Event | None = None, *, handle_signals: bool = True
+) -> None:
     """Run `service` until SIGTERM/SIGINT (or `stop_event`), then shut it down gracefully."""
     values = service.values
     stop_event = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+    for sig in signals:
         loop.add_signal_handler(sig, stop_event.set)
 
     load = LoadMonitor()
@@ -377,7 +382,7 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
-    port = _bind(server, values)
+    port = service.port = _bind(server, values)
     await server.start()
     for name in ["", *names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -404,6 +409,6 @@ async def serve(service: Service, stop_event: asyncio.Event | None = None) -> No
     await server.stop(values["shutdown_grace"])
     await service.stop()
     await load.stop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         loop.remove_signal_handler(sig)
     log.info("stopped", service=service.name)

@@ -10,36 +10,20 @@ what the SDK sends to a directory.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
-import queue
 import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.helpers.services import RunningService, start_service
 from tests.interop.sdk_env import PROJECT_ROOT, SdkEnvError, ensure_sdk_python
-
-
-def _shared_start_service() -> Callable[..., Any] | None:
-    """``tests.helpers.services.start_service`` when that shared helper exists."""
-    try:
-        module = importlib.import_module("tests.helpers.services")
-    except ImportError:
-        return None
-    start: Callable[..., Any] | None = getattr(module, "start_service", None)
-    return start
-
 
 SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_directory_script.py"
 SCRIPT_TIMEOUT = 240  # seconds; the script bounds itself at 120 s
-SERVER_START_TIMEOUT = 30.0
 
 ACTOR_IMPL = "interop_actor_impl"
 ACTOR_CLASSES = ("interop_class_a", "interop_class_b")
@@ -50,16 +34,23 @@ SDK_PROPS = {"__registration_source": "PythonSDK-Implicit", "__version": "2.10.1
 pytestmark = pytest.mark.timeout(1200)
 
 
-def _clean_env() -> dict[str, str]:
-    """Environment for child processes: no inherited Cogment settings, no proxy for loopback."""
+def _no_proxy_env() -> dict[str, str]:
+    """gRPC honours http(s)_proxy: keep loopback traffic away from any proxy."""
+    env = {}
+    for var in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
+        current = os.environ.get(var, "")
+        env[var] = ",".join(x for x in (current, "127.0.0.1", "localhost") if x)
+    return env
+
+
+def _sdk_env() -> dict[str, str]:
+    """Environment of the SDK script: no inherited Cogment settings, nothing from our venv."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("COGMENT_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
     }
-    for var in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
-        current = env.get(var, "")
-        env[var] = ",".join(x for x in (current, "127.0.0.1", "localhost") if x)
+    env.update(_no_proxy_env())
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
@@ -73,107 +64,43 @@ def sdk_python() -> pathlib.Path:
         pytest.fail(f"cannot set up the Cogment SDK environment: {exc}")
 
 
-class _OwnDirectory:
-    """Minimal subprocess start of our directory (used only without tests/helpers/services.py)."""
+# Directory configurations the SDK is run against.  "health_checked" makes the directory
+# health-check the SDK-served services (ServiceActorSP/EnvironmentSP/TrialHooksSP/DatalogSP
+# Status of the real SDK) and the fake datastore/registry on every inquiry and periodically.
+DIRECTORY_CONFIGS = {
+    "default": [],
+    "health_checked": ["--check_on_inquire", "--health_check_interval", "0.2"],
+}
 
-    def __init__(self, db_dir: pathlib.Path) -> None:
-        self.log_lines: list[str] = []
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.directory",
-                "--port",
-                "0",
-                "--database_url",
-                f"sqlite+aiosqlite:///{db_dir / 'd.db'}",
-                "--log_format",
-                "json",
-            ],
-            cwd=PROJECT_ROOT,
-            env=_clean_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        ports: queue.Queue[int] = queue.Queue()
 
-        def drain() -> None:
-            assert self.process.stderr is not None
-            for line in self.process.stderr:
-                self.log_lines.append(line.rstrip("\n"))
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if (
-                    isinstance(record, dict)
-                    and record.get("event") == "serving"
-                    and isinstance(record.get("port"), int)
-                ):
-                    ports.put(record["port"])
-
-        threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        port = None
-        while port is None and time.monotonic() < deadline:
-            try:
-                port = ports.get(timeout=0.2)
-            except queue.Empty:
-                if self.process.poll() is not None:
-                    break
-        if port is None:
-            self.stop()
-            log = "\n".join(self.log_lines[-50:])
-            raise RuntimeError(f"directory did not report serving within {SERVER_START_TIMEOUT}s:\n{log}")
-        self.port = port
-        self.endpoint = f"grpc://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+@pytest.fixture(scope="module", params=sorted(DIRECTORY_CONFIGS))
+def directory_config(request: pytest.FixtureRequest) -> str:
+    config: str = request.param
+    return config
 
 
 @pytest.fixture(scope="module")
-def directory_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    db_dir = tmp_path_factory.mktemp("sdk-interop-directory")
-    args = [
-        "--port",
-        "0",
-        "--database_url",
-        f"sqlite+aiosqlite:///{db_dir / 'd.db'}",
-        "--log_format",
-        "json",
-    ]
-    start_service = _shared_start_service()
-    if start_service is not None:
-        with start_service("services.directory", args, env=_clean_env()) as service:
-            yield str(service.endpoint)
-    else:
-        own = _OwnDirectory(db_dir)
-        try:
-            yield own.endpoint
-        finally:
-            own.stop()
+def directory_service(
+    directory_config: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningService]:
+    """OUR directory as a subprocess (``python -m services.directory``) on a fresh SQLite file."""
+    work = tmp_path_factory.mktemp(f"sdk-interop-directory-{directory_config}")
+    args = ["--database_url", f"sqlite+aiosqlite:///{work / 'd.db'}", *DIRECTORY_CONFIGS[directory_config]]
+    with start_service("services.directory", args, env=_no_proxy_env(), log_dir=work) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
 def sdk_report(
-    sdk_python: pathlib.Path, directory_endpoint: str, tmp_path_factory: pytest.TempPathFactory
+    sdk_python: pathlib.Path, directory_service: RunningService, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """Run the SDK script once against our directory and return its JSON report."""
     workdir = tmp_path_factory.mktemp("sdk-interop-run")
     try:
         proc = subprocess.run(
-            [str(sdk_python), str(SCRIPT), directory_endpoint, "all"],
+            [str(sdk_python), str(SCRIPT), directory_service.endpoint, "all"],
             cwd=workdir,
-            env=_clean_env(),
+            env=_sdk_env(),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -190,6 +117,7 @@ def sdk_report(
     except ValueError:
         pytest.fail(f"SDK script output is not JSON: {lines[-1][:2000]}\nstderr:\n{proc.stderr[-4000:]}")
     report["_stderr_tail"] = proc.stderr[-6000:]
+    report["_directory_log"] = str(directory_service.log_path)
     report["_returncode"] = proc.returncode
     return report
 
@@ -199,7 +127,10 @@ def _grpc(port: int) -> str:
 
 
 def _explain(report: dict[str, Any], what: Any) -> str:
-    return f"{what}\nscript errors: {report.get('errors')}\nscript stderr tail:\n{report['_stderr_tail']}"
+    return (
+        f"{what}\nscript errors: {report.get('errors')}\nscript stderr tail:\n{report['_stderr_tail']}"
+        f"\ndirectory log: {report['_directory_log']}"
+    )
 
 
 def test_sdk_script_ran_cleanly(sdk_report: dict[str, Any]) -> None:
@@ -338,6 +269,8 @@ def test_authentication_token_through_context_metadata(sdk_report: dict[str, Any
     aux1 = _grpc(sdk_report["aux"]["aux1_port"])
     assert tok["with_token"]["resolved"] == aux1
     assert tok["with_token_by_id"]["resolved"] == aux1
+    # A discovery URL carrying `__authentication-token` resolves without the metadata too.
+    assert tok["token_in_query"]["resolved"] == aux1
     # Entries registered with a token are invisible without it (and with another one).
     assert tok["without_token"]["resolved"] == tok["without_token"]["url"]
     assert tok["without_token_by_id"]["resolved"] == tok["without_token_by_id"]["url"]
@@ -356,3 +289,24 @@ def test_sdk_deregisters_on_shutdown(sdk_report: dict[str, Any]) -> None:
     for result in dereg["discovery_after"].values():
         assert result["error"] is None
         assert result["resolved"] == result["url"], result
+
+
+def test_health_checks_reach_live_services(sdk_report: dict[str, Any], directory_config: str) -> None:
+    """The directory's checks (Status) reached the fake datastore/registry, which still resolved.
+    With check_on_inquire the SDK-served entries resolving in the other tests proves the same
+    for the real SDK's ServiceActorSP/EnvironmentSP/TrialHooksSP/DatalogSP Status."""
+    if directory_config != "health_checked":
+        pytest.skip("only meaningful with --check_on_inquire")
+    health_calls = sdk_report["aux"]["health_calls"]
+    assert any(c.endswith("/Status") for c in health_calls["aux1"]), health_calls
+    assert any(c.endswith("/Status") for c in health_calls["aux2"]), health_calls
+
+
+def test_unreachable_entry_is_not_handed_out(sdk_report: dict[str, Any], directory_config: str) -> None:
+    dead = sdk_report["aux"]["dead"]
+    # Whatever the configuration, the failed health check hides it quickly.
+    assert dead["hidden_after_s"] is not None, _explain(sdk_report, dead)
+    if directory_config == "health_checked":
+        # Checked before answering: never handed out at all.
+        assert dead["by_props"]["resolved"] == dead["by_props"]["url"], dead
+        assert dead["by_id"]["resolved"] == dead["by_id"]["url"], dead

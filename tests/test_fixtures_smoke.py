@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from tests.fixtures.postgres import PostgresCluster
     from tests.fixtures.seaweedfs import SeaweedS3
 
-# Needed only while tests/conftest.py does not list these plugins itself.
-pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.seaweedfs"]
 
 MIB = 1024 * 1024
 

@@ -23,6 +23,9 @@ from shared.logging import get_logger
 from shared.server import ServiceRuntime, VersionStatusMixin
 
 TOKEN_METADATA_KEY = "authentication-token"
+# Reserved property of discovery URLs; the orchestrator moves it to the metadata, the Python SDK
+# sends it as an inquired property. Either way it is the token, not a property to match.
+TOKEN_PROPERTY = "__authentication-token"
 MAX_PORT = 65535
 
 log = get_logger("directory.grpc")
@@ -72,14 +75,17 @@ def registration_from_request(request: directory_pb2.RegisterRequest) -> Registr
     )
 
 
-def inquiry_from_request(request: directory_pb2.InquireRequest) -> Inquiry:
+def inquiry_from_request(request: directory_pb2.InquireRequest, token: str) -> tuple[Inquiry, str]:
+    """The inquiry and the token to inquire with (metadata first, else `__authentication-token`)."""
     which = request.WhichOneof("inquiry")
     if which == "service_id":
-        return Inquiry(service_id=request.service_id)
+        return Inquiry(service_id=request.service_id), token
     if which == "details":
         if request.details.type != UNKNOWN_SERVICE and request.details.type not in VALID_SERVICE_TYPES:
             raise InvalidRequest(f"Invalid service type [{request.details.type}]")
-        return Inquiry(service_type=request.details.type, properties=dict(request.details.properties))
+        properties = dict(request.details.properties)
+        property_token = properties.pop(TOKEN_PROPERTY, "")
+        return Inquiry(service_type=request.details.type, properties=properties), token or property_token
     raise InvalidRequest("Empty request: set either service_id or details")
 
 
@@ -154,9 +160,9 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
         self, request: directory_pb2.InquireRequest, context: Any
     ) -> AsyncIterator[directory_pb2.InquireReply]:
         try:
-            inquiry = inquiry_from_request(request)
+            inquiry, token = inquiry_from_request(request, authentication_token(context))
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             return
-        for entry in await self.directory.inquire(inquiry, authentication_token(context)):
+        for entry in await self.directory.inquire(inquiry, token):
             yield directory_pb2.InquireReply(data=full_service_data(entry))

@@ -113,6 +113,7 @@ OVERALL_TIMEOUT = 120.0  # seconds, whole script
 CALL_TIMEOUT = 15.0  # seconds, any single directory / service call
 REGISTRATION_TIMEOUT = 40.0  # seconds, SDK self-registration to become visible
 DEREGISTRATION_TIMEOUT = 20.0  # seconds, SDK deregistration to become visible
+DEAD_ENTRY_TIMEOUT = 15.0  # seconds, a registered but unreachable entry to be hidden
 
 ACTOR_IMPL = "interop_actor_impl"
 ACTOR_CLASSES = ["interop_class_a", "interop_class_b"]
@@ -144,6 +145,16 @@ def _entry_to_json(data) -> dict[str, Any]:
         "properties": dict(data.details.properties),
         "permanent": bool(data.permanent),
     }
+
+
+def _closed_port() -> int:
+    """A loopback port nobody listens on (bound then released)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
 
 
 class FakeAuxServer:
@@ -309,6 +320,10 @@ class Runner:
             try:
                 await self._aux_part(ctx, directory, aux1, aux2, ServiceType)
                 await self._token_part(aux1, ServiceType)
+                # Health checks the directory made on the fake services (Status / Version).
+                out.setdefault("aux", {})["health_calls"] = {
+                    s.label: [c for c in s.calls if c.endswith(("/Status", "/Version"))] for s in (aux1, aux2)
+                }
             finally:
                 await aux1.stop()
                 await aux2.stop()
@@ -442,6 +457,34 @@ class Runner:
         }
         aux["discovery"] = {k: await self.resolve(directory, v) for k, v in urls.items()}
 
+        # An entry whose endpoint does not answer (a closed loopback port): a health-checking
+        # directory must not hand it out.
+        dead_port = _closed_port()
+        try:
+            dead = await _bounded(
+                directory.register_host(
+                    ServiceType.DATASTORE, "127.0.0.1", dead_port, properties={"name": "interop_dead"}
+                )
+            )
+            registered_at = time.monotonic()
+            dead_url = "cogment://discover/datastore?name=interop_dead"
+            aux["dead"] = {
+                "port": dead_port,
+                "service_id": dead[0],
+                "by_props": await self.resolve(directory, dead_url),
+                "by_id": await self.resolve(directory, f"cogment://discover/service?__id={dead[0]}"),
+                "hidden_after_s": None,
+            }
+            # How long the dead entry stays discoverable (bounded).
+            while time.monotonic() - registered_at < DEAD_ENTRY_TIMEOUT:
+                if (await self.resolve(directory, dead_url))["resolved"] == dead_url:
+                    aux["dead"]["hidden_after_s"] = round(time.monotonic() - registered_at, 3)
+                    break
+                await asyncio.sleep(0.05)
+            await _bounded(directory.deregister_service(*dead))
+        except Exception as exc:
+            self.error("dead endpoint registration", exc)
+
         # The SDK's public client accessors, then one real call each: which server got it?
         public = {}
         for key, url, getter, call in (
@@ -513,8 +556,8 @@ class Runner:
         tok["with_token_by_id"] = await self.resolve(dir_tok, id_url)
         tok["without_token"] = await self.resolve(dir_plain, url)
         tok["without_token_by_id"] = await self.resolve(dir_plain, id_url)
-        # Informational only: the SDK sends `__authentication-token` from the query as a
-        # plain inquiry property (it does not move it to metadata like the orchestrator).
+        # The SDK sends `__authentication-token` from the query as a plain inquiry property
+        # (the orchestrator moves it to metadata); the directory takes it as the token.
         tok["token_in_query"] = await self.resolve(
             dir_plain, f"cogment://discover/datastore?name=interop_tok_ds&__authentication-token={TOKEN}"
         )

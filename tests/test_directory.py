@@ -1,0 +1,469 @@
+"""Directory behaviour over real gRPC connections, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from sqlalchemy import MetaData, select
+
+from shared.api import common_pb2, directory_pb2
+from shared.db import Database
+from tests.conftest import DirectoryFactory, RunningDirectory
+from tests.helpers.fake_services import FakeCogmentService, FakeTcpService, free_port
+
+OK = directory_pb2.RegisterReply.OK
+FAILED = directory_pb2.RegisterReply.FAILED
+GRPC = directory_pb2.ServiceEndpoint.GRPC
+GRPC_SSL = directory_pb2.ServiceEndpoint.GRPC_SSL
+COGMENT = directory_pb2.ServiceEndpoint.COGMENT
+ACTOR = directory_pb2.ACTOR_SERVICE
+ENVIRONMENT = directory_pb2.ENVIRONMENT_SERVICE
+OTHER = directory_pb2.OTHER_SERVICE
+FAST_CHECKS = ("--health_check_interval", "0.2")
+
+
+def request(
+    service_type: int = ACTOR,
+    properties: dict[str, str] | None = None,
+    *,
+    host: str = "client",
+    port: int = 0,
+    protocol: int = COGMENT,
+    permanent: bool = False,
+) -> directory_pb2.RegisterRequest:
+    return directory_pb2.RegisterRequest(
+        endpoint=directory_pb2.ServiceEndpoint(protocol=protocol, host=host, port=port),  # type: ignore[arg-type]
+        details=directory_pb2.ServiceDetails(type=service_type, properties=properties or {}),  # type: ignore[arg-type]
+        permanent=permanent,
+    )
+
+
+def metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return None if token is None else (("authentication-token", token),)
+
+
+async def _stream(items: list[object]) -> AsyncIterator[object]:
+    for item in items:
+        yield item
+
+
+async def register(
+    d: RunningDirectory, *requests: directory_pb2.RegisterRequest, token: str | None = None
+) -> list[directory_pb2.RegisterReply]:
+    return [reply async for reply in d.stub.Register(_stream(list(requests)), metadata=metadata(token))]
+
+
+async def register_ok(
+    d: RunningDirectory, *requests: directory_pb2.RegisterRequest, token: str | None = None
+) -> list[int]:
+    replies = await register(d, *requests, token=token)
+    assert [reply.status for reply in replies] == [OK] * len(requests), replies
+    return [reply.service_id for reply in replies]
+
+
+async def deregister(
+    d: RunningDirectory, *pairs: tuple[int, str], token: str | None = None
+) -> list[directory_pb2.DeregisterReply]:
+    requests = [directory_pb2.DeregisterRequest(service_id=sid, secret=secret) for sid, secret in pairs]
+    return [reply async for reply in d.stub.Deregister(_stream(list(requests)), metadata=metadata(token))]
+
+
+async def inquire(
+    d: RunningDirectory,
+    *,
+    service_id: int | None = None,
+    service_type: int = directory_pb2.UNKNOWN_SERVICE,
+    properties: dict[str, str] | None = None,
+    token: str | None = None,
+) -> list[directory_pb2.FullServiceData]:
+    if service_id is not None:
+        req = directory_pb2.InquireRequest(service_id=service_id)
+    else:
+        details = directory_pb2.ServiceDetails(type=service_type, properties=properties or {})  # type: ignore[arg-type]
+        req = directory_pb2.InquireRequest(details=details)
+    return [reply.data async for reply in d.stub.Inquire(req, metadata=metadata(token))]
+
+
+async def visible_ids(d: RunningDirectory, **kwargs: object) -> list[int]:
+    return [data.service_id for data in await inquire(d, **kwargs)]  # type: ignore[arg-type]
+
+
+async def eventually(condition: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await condition():  # type: ignore[operator]
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+# ---- registration and inquiry ----
+
+
+async def test_one_reply_per_request_in_order_and_inquiry_by_id(directory: RunningDirectory) -> None:
+    replies = await register(
+        directory,
+        request(ACTOR, {"__actor_class": "a"}),
+        directory_pb2.RegisterRequest(),  # invalid: the stream goes on
+        request(ENVIRONMENT, {"__implementation": "e"}),
+    )
+    assert [reply.status for reply in replies] == [OK, FAILED, OK]
+    found = await inquire(directory, service_id=replies[0].service_id)
+    assert len(found) == 1
+    data = found[0]
+    assert data.service_id == replies[0].service_id
+    assert data.endpoint.protocol == COGMENT and data.endpoint.host == "client"
+    assert data.details.type == ACTOR and dict(data.details.properties) == {"__actor_class": "a"}
+    assert not data.permanent
+
+
+@pytest.mark.parametrize(
+    ("bad_request", "message"),
+    [
+        (directory_pb2.RegisterRequest(details=directory_pb2.ServiceDetails(type=ACTOR)), "Missing endpoint"),
+        (
+            directory_pb2.RegisterRequest(
+                endpoint=directory_pb2.ServiceEndpoint(protocol=GRPC, host="h", port=1)
+            ),
+            "Missing details",
+        ),
+        (request(host=""), "Empty host"),
+        (request(protocol=0), "Invalid protocol [0]"),
+        (request(protocol=7), "Invalid protocol [7]"),
+        (request(service_type=0), "Invalid service type [0]"),
+        (request(service_type=42), "Invalid service type [42]"),
+        (request(port=70000), "Invalid port [70000]"),
+        (request(host="a\x00b"), "NUL"),
+        (request(properties={"k": "v\x00"}), "NUL"),
+    ],
+)
+async def test_invalid_registrations_fail_with_a_message_and_the_stream_stays_usable(
+    directory: RunningDirectory, bad_request: directory_pb2.RegisterRequest, message: str
+) -> None:
+    replies = await register(directory, bad_request, request(), bad_request)
+    assert [reply.status for reply in replies] == [FAILED, OK, FAILED]
+    assert message in replies[0].error_msg
+    assert replies[0].service_id == 0 and replies[0].secret == ""
+
+
+async def test_ids_are_random_63_bit_and_secrets_strong_url_safe(directory: RunningDirectory) -> None:
+    replies = await register(directory, *(request() for _ in range(50)))
+    ids = [reply.service_id for reply in replies]
+    secrets = [reply.secret for reply in replies]
+    assert all(0 < sid < 2**63 for sid in ids) and len(set(ids)) == len(ids)
+    assert max(ids) > 2**56  # drawn from the whole 63-bit range
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{22,}", secret) for secret in secrets)
+    assert len(set(secrets)) == len(secrets)
+
+
+async def test_inquiry_by_details_matches_type_and_property_subset(directory: RunningDirectory) -> None:
+    actor_a, actor_ab, env_a, actor_empty = await register_ok(
+        directory,
+        request(ACTOR, {"a": "1"}),
+        request(ACTOR, {"a": "1", "b": "2"}),
+        request(ENVIRONMENT, {"a": "1"}),
+        request(ACTOR, {"a": ""}),
+    )
+    assert set(await visible_ids(directory, service_type=ACTOR, properties={"a": "1"})) == {actor_a, actor_ab}
+    assert await visible_ids(directory, service_type=ACTOR, properties={"a": "1", "b": "2"}) == [actor_ab]
+    assert await visible_ids(directory, service_type=ACTOR, properties={"b": "3"}) == []
+    # UNKNOWN_SERVICE matches every type; no properties matches everything of the type.
+    assert set(await visible_ids(directory, properties={"a": "1"})) == {actor_a, actor_ab, env_a}
+    assert set(await visible_ids(directory, service_type=ACTOR)) == {actor_a, actor_ab, actor_empty}
+    # An inquired empty value needs the property present with an empty value.
+    assert await visible_ids(directory, properties={"a": ""}) == [actor_empty]
+    assert await visible_ids(directory, properties={"b": ""}) == []
+
+
+async def test_most_recently_registered_first(directory: RunningDirectory) -> None:
+    ids = []
+    for _ in range(5):
+        ids += await register_ok(directory, request(ACTOR, {"order": "x"}))
+    assert await visible_ids(directory, properties={"order": "x"}) == list(reversed(ids))
+
+
+async def test_no_match_is_an_empty_ok_stream(directory: RunningDirectory) -> None:
+    assert await inquire(directory, properties={"nothing": "here"}) == []
+    assert await inquire(directory, service_id=12345) == []
+    assert await inquire(directory, service_id=0) == []
+    assert await inquire(directory, service_id=2**64 - 1) == []
+
+
+async def test_malformed_inquiries_are_invalid_argument(directory: RunningDirectory) -> None:
+    for bad in (
+        directory_pb2.InquireRequest(),
+        directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=42)),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            _ = [reply async for reply in directory.stub.Inquire(bad)]
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details()
+
+
+# ---- tokens and secrets ----
+
+
+async def test_token_scopes_visibility_and_removal(directory: RunningDirectory) -> None:
+    (public,) = await register(directory, request(ACTOR, {"k": "v"}))
+    (team,) = await register(directory, request(ACTOR, {"k": "v"}), token="team-token")
+    assert await visible_ids(directory, properties={"k": "v"}) == [public.service_id]
+    assert await visible_ids(directory, properties={"k": "v"}, token="") == [public.service_id]
+    assert await visible_ids(directory, properties={"k": "v"}, token="team-token") == [team.service_id]
+    assert await visible_ids(directory, service_id=team.service_id) == []
+    assert await visible_ids(directory, service_id=team.service_id, token="other") == []
+
+    wrong_token, wrong_secret, unknown = await deregister(
+        directory, (team.service_id, team.secret), (team.service_id, public.secret), (999, "x"), token="nope"
+    )
+    assert wrong_token.status == FAILED and "Authentication failure" in wrong_token.error_msg
+    assert wrong_secret.status == FAILED and "Authentication failure" in wrong_secret.error_msg
+    assert unknown.status == FAILED and "Unknown service ID [999]" in unknown.error_msg
+    (bad_secret,) = await deregister(directory, (team.service_id, public.secret), token="team-token")
+    assert bad_secret.status == FAILED
+    assert await visible_ids(directory, service_id=team.service_id, token="team-token") == [team.service_id]
+
+    (ok,) = await deregister(directory, (team.service_id, team.secret), token="team-token")
+    assert ok.status == OK
+    assert await visible_ids(directory, service_id=team.service_id, token="team-token") == []
+    (again,) = await deregister(directory, (team.service_id, team.secret), token="team-token")
+    assert again.status == FAILED
+
+
+async def test_secrets_and_tokens_are_not_stored_in_clear(directory: RunningDirectory) -> None:
+    token = "a-distinctive-authentication-token"
+    (reply,) = await register(directory, request(ACTOR, {"p": "q"}), token=token)
+    database: Database = directory.service.database
+    dump = []
+    async with database.read() as connection:
+        tables = MetaData()
+        await connection.run_sync(tables.reflect)
+        for table in tables.sorted_tables:
+            dump += [repr(tuple(row)) for row in (await connection.execute(select(table))).all()]
+    text = "\n".join(dump)
+    assert str(reply.service_id) in text  # the dump does hold the entry
+    assert reply.secret not in text
+    assert token not in text
+
+
+# ---- permanent entries ----
+
+
+async def test_permanent_reregistration_updates_the_entry_in_place(directory: RunningDirectory) -> None:
+    props = {"__actor_class": "c", "__implementation": "i"}
+    (first,) = await register(directory, request(ACTOR, props, host="old", permanent=True))
+    (second,) = await register(directory, request(ACTOR, props, host="new", permanent=True))
+    assert (second.service_id, second.secret) == (first.service_id, first.secret)
+    (data,) = await inquire(directory, properties=props)
+    assert data.endpoint.host == "new" and data.permanent
+
+    # Any difference in token, type or full property map is another entry; nothing is deleted.
+    others = await register_ok(
+        directory,
+        request(ACTOR, {"__actor_class": "c"}, permanent=True),
+        request(ENVIRONMENT, props, permanent=True),
+    )
+    (other_token,) = await register(directory, request(ACTOR, props, permanent=True), token="t")
+    assert len({first.service_id, *others, other_token.service_id}) == 4
+    assert len(await inquire(directory, properties={"__actor_class": "c"})) == 3
+
+    # Non-permanent registrations never de-duplicate.
+    transient = await register_ok(directory, request(ACTOR, {"x": "1"}), request(ACTOR, {"x": "1"}))
+    assert len(set(transient)) == 2
+    # The permanent secret still deregisters the updated entry.
+    (ok,) = await deregister(directory, (first.service_id, first.secret))
+    assert ok.status == OK
+
+
+async def test_force_permanent_makes_registrations_permanent(directory_factory: DirectoryFactory) -> None:
+    async with directory_factory("--force_permanent", *FAST_CHECKS) as d:
+        dead_port = free_port()
+        first, second = await register_ok(
+            d,
+            request(ACTOR, {"a": "1"}, protocol=GRPC, host="127.0.0.1", port=dead_port),
+            request(ACTOR, {"a": "1"}, protocol=GRPC, host="127.0.0.1", port=dead_port),
+        )
+        assert first == second
+        await asyncio.sleep(1.0)  # several check intervals: permanent entries are never checked
+        (data,) = await inquire(d, service_id=first)
+        assert data.permanent
+
+
+# ---- health checking ----
+
+
+async def test_unreachable_service_is_hidden_then_removed(directory: RunningDirectory) -> None:
+    (sid,) = await register_ok(directory, request(ACTOR, protocol=GRPC, host="127.0.0.1", port=free_port()))
+
+    async def hidden() -> bool:
+        return await visible_ids(directory, service_id=sid) == []
+
+    await eventually(hidden)
+
+    async def removed() -> bool:
+        return await directory.service.store.credentials(sid) is None
+
+    await eventually(removed)
+
+
+async def test_registration_never_waits_for_a_health_check(directory: RunningDirectory) -> None:
+    silent = await FakeTcpService(silent=True).start()
+    try:
+        started = time.monotonic()
+        await register_ok(directory, request(ACTOR, protocol=GRPC, host="127.0.0.1", port=silent.port))
+        assert time.monotonic() - started < 1.0
+    finally:
+        await silent.stop()
+
+
+async def test_healthy_services_stay_visible_with_their_load(directory: RunningDirectory) -> None:
+    with_status = await FakeCogmentService("ServiceActorSP", load="42").start()
+    version_only = await FakeCogmentService("EnvironmentSP", with_status=False).start()
+    tcp = await FakeTcpService().start()
+    try:
+        ids = await register_ok(
+            directory,
+            request(ACTOR, {"h": "1"}, protocol=GRPC, host="127.0.0.1", port=with_status.port),
+            request(ENVIRONMENT, {"h": "1"}, protocol=GRPC, host="127.0.0.1", port=version_only.port),
+            request(OTHER, {"h": "1"}, protocol=GRPC, host="127.0.0.1", port=tcp.port),
+            request(ACTOR, {"h": "1"}, protocol=GRPC_SSL, host="127.0.0.1", port=tcp.port),
+        )
+
+        async def checked_several_times() -> bool:
+            return with_status.status_calls >= 3 and version_only.version_calls >= 3 and tcp.connections >= 6
+
+        await eventually(checked_several_times)
+        assert set(await visible_ids(directory, properties={"h": "1"})) == set(ids)
+        assert with_status.version_calls == 0  # Status answered: no fallback
+        async with directory.service.database.read() as connection:
+            from shared.schema import directory_services
+
+            loads = dict(
+                (
+                    await connection.execute(
+                        select(directory_services.c.service_id, directory_services.c.load)
+                    )
+                ).all()
+            )
+        assert loads[ids[0]] == 42
+    finally:
+        for fake in (with_status, version_only, tcp):
+            await fake.stop()
+
+
+async def test_stopped_tcp_service_is_removed(directory: RunningDirectory) -> None:
+    tcp = await FakeTcpService().start()
+    (sid,) = await register_ok(directory, request(OTHER, protocol=GRPC, host="127.0.0.1", port=tcp.port))
+
+    async def checked() -> bool:
+        return tcp.connections >= 1
+
+    await eventually(checked)
+    assert await visible_ids(directory, service_id=sid) == [sid]
+    await tcp.stop()
+
+    async def removed() -> bool:
+        return await directory.service.store.credentials(sid) is None
+
+    await eventually(removed)
+
+
+async def test_cogment_endpoints_and_permanent_entries_are_never_checked(directory: RunningDirectory) -> None:
+    client, permanent = await register_ok(
+        directory,
+        request(ACTOR, protocol=COGMENT, host="client"),
+        request(ACTOR, protocol=GRPC, host="127.0.0.1", port=free_port(), permanent=True),
+    )
+    await asyncio.sleep(1.0)  # five check intervals
+    assert await visible_ids(directory, service_id=client) == [client]
+    assert await visible_ids(directory, service_id=permanent) == [permanent]
+
+
+async def test_check_on_inquire_drops_a_dead_service_at_once(directory_factory: DirectoryFactory) -> None:
+    async with directory_factory("--check_on_inquire", "--health_check_interval", "3600") as d:
+        service = await FakeCogmentService("ServiceActorSP").start()
+        (sid,) = await register_ok(
+            d, request(ACTOR, {"c": "1"}, protocol=GRPC, host="127.0.0.1", port=service.port)
+        )
+
+        async def first_check_done() -> bool:
+            return service.status_calls >= 1
+
+        await eventually(first_check_done)
+        await asyncio.sleep(0.15)  # older than the 100 ms reuse window
+        before = service.status_calls
+        assert await visible_ids(d, properties={"c": "1"}) == [sid]
+        assert service.status_calls == before + 1  # checked again at inquiry
+        await service.stop()
+        await asyncio.sleep(0.15)
+        assert await visible_ids(d, properties={"c": "1"}) == []
+
+
+async def test_load_balancing_prefers_the_least_loaded(directory_factory: DirectoryFactory) -> None:
+    async with directory_factory("--load_balancing", *FAST_CHECKS) as d:
+        fakes = [
+            await FakeCogmentService("ServiceActorSP", load=load).start() for load in ("3", "12", "30", "255")
+        ]
+        try:
+            ids = await register_ok(
+                d, *(request(ACTOR, {"lb": "1"}, protocol=GRPC, host="127.0.0.1", port=f.port) for f in fakes)
+            )
+
+            async def all_checked() -> bool:
+                return all(f.status_calls >= 1 for f in fakes)
+
+            await eventually(all_checked)
+            await asyncio.sleep(0.3)
+            assert set(await visible_ids(d, properties={"lb": "1"})) == {ids[0], ids[1]}
+            status = await d.stub.Status(common_pb2.StatusRequest(names=["load_balancing"]))
+            assert status.statuses["load_balancing"] == "enabled"
+        finally:
+            for fake in fakes:
+                await fake.stop()
+
+
+async def test_registration_lag_waits_for_a_late_registration(directory_factory: DirectoryFactory) -> None:
+    async with directory_factory("--registration_lag", "3") as d:
+        inquiry = asyncio.create_task(visible_ids(d, properties={"late": "1"}))
+        await asyncio.sleep(0.5)
+        (sid,) = await register_ok(d, request(ACTOR, {"late": "1"}))
+        assert await asyncio.wait_for(inquiry, 5) == [sid]
+
+
+# ---- persistence and status ----
+
+
+async def test_entries_survive_a_restart(directory_factory: DirectoryFactory) -> None:
+    async with directory_factory() as d:
+        first, second = await register(
+            d, request(ACTOR, {"r": "1"}), request(ACTOR, {"r": "1"}, permanent=True)
+        )
+    async with directory_factory() as d:
+        assert await visible_ids(d, properties={"r": "1"}) == [second.service_id, first.service_id]
+        assert [reply.status for reply in await deregister(d, (first.service_id, first.secret))] == [OK]
+        (again,) = await register(d, request(ACTOR, {"r": "1"}, host="moved", permanent=True))
+        assert (again.service_id, again.secret) == (second.service_id, second.secret)
+
+
+async def test_status_reports_entries(directory: RunningDirectory) -> None:
+    assert (await directory.stub.Status(common_pb2.StatusRequest())).statuses == {}
+    await register_ok(directory, request(), request())
+    reply = await directory.stub.Status(common_pb2.StatusRequest(names=["*"]))
+    assert reply.statuses["nb_entries"] == "2"
+    assert reply.statuses["load_balancing"] == "disabled"
+    assert 0 <= int(reply.statuses["overall_load"]) <= 100
+
+
+async def test_discovery_token_property_is_the_token_not_a_property(directory: RunningDirectory) -> None:
+    (sid,) = await register_ok(directory, request(ACTOR, {"d": "1"}), token="secret-team")
+    with_property = {"d": "1", "__authentication-token": "secret-team"}
+    assert await visible_ids(directory, service_type=ACTOR, properties=with_property) == [sid]
+    assert await visible_ids(directory, service_type=ACTOR, properties={**with_property, "d": "2"}) == []
+    assert await visible_ids(directory, properties={"d": "1", "__authentication-token": "other"}) == []
+    # The metadata token, when present, is the one used.
+    assert await visible_ids(directory, properties=with_property, token="other") == []

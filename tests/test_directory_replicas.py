@@ -1,0 +1,75 @@
+"""Several directory replicas on one PostgreSQL database serve one directory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.directory.model import Endpoint, Registration
+from services.directory.store import DirectoryStore
+from shared.db import Database
+from tests.conftest import make_directory_factory
+from tests.helpers.fake_services import FakeCogmentService
+from tests.test_directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
+
+
+async def test_an_entry_registered_through_one_replica_is_served_by_another(postgres_url: str) -> None:
+    factory = make_directory_factory(postgres_url)
+    async with factory() as first, factory() as second:
+        (reply,) = await register(first, request(ACTOR, {"shared": "yes"}), token="tok")
+        assert await visible_ids(second, properties={"shared": "yes"}, token="tok") == [reply.service_id]
+        # The secret is derived from a key both replicas share through the database.
+        (removed,) = await deregister(second, (reply.service_id, reply.secret), token="tok")
+        assert removed.status == OK
+        assert await visible_ids(first, properties={"shared": "yes"}, token="tok") == []
+
+
+async def test_concurrent_permanent_registrations_through_replicas_make_one_entry(postgres_url: str) -> None:
+    factory = make_directory_factory(postgres_url)
+    async with factory() as first, factory() as second:
+        same = request(ACTOR, {"perm": "1"}, permanent=True)
+        batches = await asyncio.gather(*(register(d, same, same) for d in (first, second, first, second)))
+        ids = {reply.service_id for batch in batches for reply in batch}
+        assert len(ids) == 1
+        assert len(await visible_ids(second, properties={"perm": "1"})) == 1
+
+
+async def test_health_checks_are_shared_out_not_repeated(postgres_url: str) -> None:
+    factory = make_directory_factory(postgres_url)
+    interval = 0.5
+    service = await FakeCogmentService("ServiceActorSP").start()
+    try:
+        async with (
+            factory("--health_check_interval", str(interval)) as first,
+            factory("--health_check_interval", str(interval)) as second,
+        ):
+            await register_ok(first, request(ACTOR, protocol=GRPC, host="127.0.0.1", port=service.port))
+            started = time.monotonic()
+            await asyncio.sleep(3.0)
+            elapsed = time.monotonic() - started
+            assert await visible_ids(second, service_type=ACTOR)
+        checks = service.status_calls
+        # One check per interval (plus the first one), whichever replica does it; two replicas
+        # each checking would double that.
+        assert 2 <= checks <= elapsed / interval + 2, checks
+    finally:
+        await service.stop()
+
+
+async def test_claims_of_a_crashed_checker_are_taken_over(database_url: str) -> None:
+    database = Database(database_url)
+    try:
+        await database.migrate()
+        store = DirectoryStore(database)
+        registration = Registration(Endpoint(GRPC, "127.0.0.1", 1), ACTOR, {}, permanent=False)
+        service_id, _, _ = await store.add(registration, "digest", time.time_ns())
+        lease = 300_000_000
+        (claimed,) = await store.claim_due_checks(time.time_ns(), lease, 10)
+        assert claimed.service_id == service_id
+        # Claimed by a checker that then died: nobody else takes it during the lease...
+        assert await store.claim_due_checks(time.time_ns(), lease, 10) == []
+        await asyncio.sleep(lease / 1e9 + 0.05)
+        # ...and another one does once the lease expired.
+        assert [t.service_id for t in await store.claim_due_checks(time.time_ns(), lease, 10)] == [service_id]
+    finally:
+        await database.close()
