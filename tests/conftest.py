@@ -17,8 +17,18 @@ from services.directory.service import DirectoryService
 from shared.api import directory_pb2_grpc
 from shared.config import parse_options
 from shared.server import serve
+from tests.interop.sdk_env import SdkEnvError, ensure_sdk_python
 
 pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.seaweedfs"]
+
+
+@pytest.fixture(scope="session")
+def sdk_python() -> Path:
+    """Interpreter of the venv holding the official Cogment SDK 2.10.1 (built on first use)."""
+    try:
+        return ensure_sdk_python()
+    except SdkEnvError as error:
+        pytest.fail(f"cannot set up the Cogment SDK environment: {error}")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.services import RunningService, start_service
-from tests.interop.sdk_env import PROJECT_ROOT, SdkEnvError, ensure_sdk_python
+from tests.interop.sdk_env import PROJECT_ROOT
 
 SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_directory_script.py"
 SCRIPT_TIMEOUT = 240  # seconds; the script bounds itself at 120 s
@@ -53,15 +53,6 @@ def _sdk_env() -> dict[str, str]:
     env.update(_no_proxy_env())
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
-
-
-@pytest.fixture(scope="session")
-def sdk_python() -> pathlib.Path:
-    """Interpreter of the venv holding the official SDK (built on first use)."""
-    try:
-        return ensure_sdk_python()
-    except SdkEnvError as exc:
-        pytest.fail(f"cannot set up the Cogment SDK environment: {exc}")
 
 
 # Directory configurations the SDK is run against.  "health_checked" makes the directory
