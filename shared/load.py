@@ -2,7 +2,7 @@
 
 It is the CPU share of this process over the last sampling period (as a percentage of one core,
 which is what one asyncio event loop can use), raised when the event loop lags behind its timer,
-and 255 while the service is not ready (starting, draining, or its database is unreachable).
+and 255 while the service is not serving (starting or shutting down).
 """
 
 from __future__ import annotations

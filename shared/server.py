@@ -175,10 +175,13 @@ INTERNAL_ERROR_MESSAGE = "internal error (logged on the server)"
 
 @dataclass
 class _CallRecorder:
+    """Metrics children and log fields of one method, looked up once rather than per call."""
+
     rpc: str
+    labels: tuple[str, str, str]
     started: Any
-    handled: Callable[[str], Any]
     seconds: Any
+    handled: dict[grpc.StatusCode, Any]
 
     @classmethod
     def for_method(cls, method: str, rpc_type: str) -> _CallRecorder:
@@ -186,14 +189,18 @@ class _CallRecorder:
         labels = (rpc_type, service, name)
         return cls(
             rpc=method,
+            labels=labels,
             started=metrics.started_total.labels(*labels),
-            handled=lambda code: metrics.handled_total.labels(*labels, code),
             seconds=metrics.handling_seconds.labels(*labels),
+            handled={},
         )
 
     def finish(self, code: grpc.StatusCode, started_at: float, context: Any) -> None:
         elapsed = time.perf_counter() - started_at
-        self.handled(code.name).inc()
+        handled = self.handled.get(code)
+        if handled is None:
+            handled = self.handled[code] = metrics.handled_total.labels(*self.labels, code.name)
+        handled.inc()
         self.seconds.observe(elapsed)
         if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
             log.debug("rpc", rpc=self.rpc, code=code.name, seconds=round(elapsed, 6), peer=context.peer())
