@@ -68,7 +68,7 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
     for option in options:
         names = [f"--{option.flag}", *(f"--{alias}" for alias in option.aliases)]
         where = f" [env {option.env}]" if option.env else ""
-        default = "" if option.default is None else f" (default: {option.default})"
+        default = "" if option.default in (None, "") else f" (default: {option.default})"
         kwargs: dict[str, Any] = {
             "dest": option.flag,
             "default": argparse.SUPPRESS,

@@ -16,8 +16,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as distribution_version
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +30,7 @@ from shared.config import Option, parse_bool, port_number, positive_float
 from shared.db import DEFAULT_DATA_DIR, default_database_url
 from shared.load import LoadMonitor
 from shared.logging import get_logger, logging_options
-
-try:
-    PACKAGE_VERSION = distribution_version("cogment-aux")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    PACKAGE_VERSION = "0.0.0+source"
-
-# The Cogment release whose 2.x gRPC API these services implement.
-COGMENT_API_VERSION = "2.22.0"
+from shared.version import COGMENT_API_VERSION, PACKAGE_VERSION
 
 log = get_logger("shared.server")
 
@@ -338,84 +329,123 @@ class Service:
         """Called after the server stopped: release storage and background work."""
 
 
-def _read(path: str) -> bytes:
-    return Path(path).read_bytes()
+class StartupError(Exception):
+    """A start-up problem the operator has to fix: logged as one clear line, exit status 1."""
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise StartupError(f"cannot read {what} {path}: {error.strerror}") from None
 
 
 def _bind(server: grpc.aio.Server, values: dict[str, Any]) -> int:
     address = f"{values['bind_address']}:{values['port']}"
-    if values["tls_cert"] or values["tls_key"]:
-        if not (values["tls_cert"] and values["tls_key"]):
-            raise SystemExit("--tls_cert and --tls_key go together")
-        client_ca = _read(values["tls_client_ca"]) if values["tls_client_ca"] else None
-        credentials = grpc.ssl_server_credentials(
-            [(_read(values["tls_key"]), _read(values["tls_cert"]))],
-            root_certificates=client_ca,
-            require_client_auth=client_ca is not None,
-        )
-        port = server.add_secure_port(address, credentials)
-    elif values["tls_client_ca"]:
-        raise SystemExit("--tls_client_ca needs --tls_cert and --tls_key")
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if values["tls_cert"] or values["tls_key"]:
+            if not (values["tls_cert"] and values["tls_key"]):
+                raise StartupError("--tls_cert and --tls_key go together")
+            client_ca = _read(values["tls_client_ca"], "--tls_client_ca") if values["tls_client_ca"] else None
+            credentials = grpc.ssl_server_credentials(
+                [(_read(values["tls_key"], "--tls_key"), _read(values["tls_cert"], "--tls_cert"))],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
+            port = server.add_secure_port(address, credentials)
+        elif values["tls_client_ca"]:
+            raise StartupError("--tls_client_ca needs --tls_cert and --tls_key")
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's way of saying the address could not be bound
+        port = 0
     if port == 0:
-        raise SystemExit(f"could not listen on {address}")
+        raise StartupError(f"could not listen on {address}: in use, or not an address of this machine")
     return int(port)
+
+
+def _serve_metrics(values: dict[str, Any]) -> int | None:
+    if values["metrics_port"] is None:
+        return None
+    try:
+        return metrics.serve_metrics(values["metrics_port"], values["bind_address"])
+    except OSError as error:
+        raise StartupError(
+            f"could not serve metrics on {values['bind_address']}:{values['metrics_port']}: {error.strerror}"
+        ) from None
 
 
 async def serve(
     service: Service, stop_event: asyncio.Event | None = None, *, handle_signals: bool = True
 ) -> None:
-    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then shut it down gracefully."""
+    """Run `service` until SIGTERM/SIGINT (or `stop_event`), then shut it down gracefully.
+
+    Ports are bound before the service opens its storage, so a misconfiguration fails fast and
+    the `serving` line is only logged once everything listens. Start-up problems exit with
+    status 1 and one clear log line.
+    """
     values = service.values
+    # No SO_REUSEPORT: a second instance on a port in use must fail, not share the connections.
+    server = grpc.aio.server(interceptors=[ObservabilityInterceptor()], options=[("grpc.so_reuseport", 0)])
+    try:
+        port = _bind(server, values)
+        metrics_port = _serve_metrics(values)
+    except StartupError as error:
+        log.error("cannot start", service=service.name, error=str(error))
+        raise SystemExit(1) from None
+
     stop_event = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
     for sig in signals:
         loop.add_signal_handler(sig, stop_event.set)
-
     load = LoadMonitor()
     load.start()
     runtime = ServiceRuntime(service.name, load)
-    await service.start(runtime)
+    try:
+        await service.start(runtime)
+    except Exception as error:
+        log.error("cannot start", service=service.name, error=str(error), exc_info=error)
+        await service.stop()
+        await load.stop()
+        raise SystemExit(1) from None
 
-    server = grpc.aio.server(interceptors=[ObservabilityInterceptor()])
-    service.add_servicers(server, runtime)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = list(service.grpc_service_names)
-    if values["grpc_reflection"]:
-        reflection.enable_server_reflection(
-            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            server,
+    try:
+        service.add_servicers(server, runtime)
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        names = list(service.grpc_service_names)
+        if values["grpc_reflection"]:
+            reflection.enable_server_reflection(
+                [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+                server,
+            )
+        await server.start()
+        service.port = port
+        for name in ["", *names]:
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        load.serviceable = True
+        log.info(
+            "serving",
+            service=service.name,
+            port=port,
+            address=values["bind_address"],
+            tls=bool(values["tls_cert"]),
+            mtls=bool(values["tls_client_ca"]),
+            version=PACKAGE_VERSION,
         )
-    port = service.port = _bind(server, values)
-    await server.start()
-    for name in ["", *names]:
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    load.serviceable = True
-    log.info(
-        "serving",
-        service=service.name,
-        port=port,
-        address=values["bind_address"],
-        tls=bool(values["tls_cert"]),
-        mtls=bool(values["tls_client_ca"]),
-        version=PACKAGE_VERSION,
-    )
-    if values["metrics_port"] is not None:
-        metrics_port = metrics.serve_metrics(values["metrics_port"], values["bind_address"])
-        log.info("serving metrics", port=metrics_port, path="/metrics")
-    await service.on_serving(port)
-
-    await stop_event.wait()
-    log.info("shutting down", service=service.name, grace_seconds=values["shutdown_grace"])
-    load.serviceable = False
-    await health.enter_graceful_shutdown()
-    await service.on_shutdown()
-    await server.stop(values["shutdown_grace"])
-    await service.stop()
-    await load.stop()
-    for sig in signals:
-        loop.remove_signal_handler(sig)
+        if metrics_port is not None:
+            log.info("serving metrics", port=metrics_port, path="/metrics")
+        await service.on_serving(port)
+        await stop_event.wait()
+        log.info("shutting down", service=service.name, grace_seconds=values["shutdown_grace"])
+        load.serviceable = False
+        await health.enter_graceful_shutdown()
+        await service.on_shutdown()
+    finally:
+        await server.stop(values["shutdown_grace"])
+        await service.stop()
+        await load.stop()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
     log.info("stopped", service=service.name)

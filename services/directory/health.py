@@ -25,6 +25,7 @@ from services.directory.model import (
 )
 from services.directory.store import DirectoryStore
 from shared.api import common_pb2
+from shared.endpoints import format_host
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
 
@@ -55,7 +56,7 @@ def parse_load(text: str | None) -> int:
 async def _grpc_probe(target: CheckTarget, timeout_s: float) -> int | None:
     """The load read from Status (or 0 from Version), or None when the service does not answer."""
     service = GRPC_SERVICE_BY_TYPE[target.service_type]
-    address = f"{target.endpoint.host}:{target.endpoint.port}"
+    address = f"{format_host(target.endpoint.host)}:{target.endpoint.port}"
     async with grpc.aio.insecure_channel(address) as channel:
         status = channel.unary_unary(
             f"/cogmentAPI.{service}/Status",

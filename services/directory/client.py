@@ -1,0 +1,448 @@
+"""`python -m services.directory.client <command> [flags]`: the reference's
+`cogment client directory register|deregister|inquire|WaitForReady`.
+
+Flags shared by every command (before or after the command name):
+`--directory_endpoint` (`COGMENT_DIRECTORY_ENDPOINT`, default `grpc://localhost:9005`, alias
+`--endpoint`), `--directory_authentication_token` (`COGMENT_DIRECTORY_AUTHENTICATION_TOKEN`, alias
+`--auth_token`), `--timeout` (`COGMENT_CLIENT_TIMEOUT`, seconds or a Go-style duration such as
+`30s`, `1m30s`, `500ms`; default 30 s) and `--console_output` (`COGMENT_CLIENT_CONSOLE_OUTPUT`,
+`text` or `json`).
+
+Every call waits for the directory to be reachable (gRPC wait-for-ready) until the timeout.
+Exit codes: 0 success; 1 failure (directory unreachable within the timeout, registration or
+deregistration refused, other gRPC errors); 2 invalid flags or environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from shared.api import directory_pb2, directory_pb2_grpc
+from shared.config import Option, add_options, parse_bool, port_number, resolve
+from shared.endpoints import (
+    SERVICE_TYPES,
+    GrpcEndpoint,
+    format_host,
+    parse_grpc_endpoint,
+    parse_properties,
+    parse_service_type,
+    service_type_name,
+)
+from shared.version import PACKAGE_VERSION
+
+PROG = "python -m services.directory.client"
+DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9005)
+DEFAULT_TIMEOUT_S = 30.0
+TOKEN_METADATA_KEY = "authentication-token"
+# Added to every registration made with this client, as the reference does.
+CLIENT_PROPERTIES = {"__registration_source": "Cogment-Command_Line", "__version": PACKAGE_VERSION}
+TYPE_NAMES = ", ".join(SERVICE_TYPES)
+MAX_UINT64 = 2**64 - 1
+# Initial and maximum delays between two connection attempts.
+RECONNECT_BACKOFF_MS = (250, 1000)
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "μs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+
+
+class ClientError(Exception):
+    """A failure reported to the user as `Error: <message>` with exit code 1."""
+
+
+# ---- option value parsers ----
+
+
+def parse_duration(text: str) -> float:
+    """Seconds, from a number of seconds (`30`, `2.5`) or a Go duration (`30s`, `1m30s`, `500ms`).
+    Must be positive."""
+    value = text.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        position, seconds = 0, 0.0
+        for match in _DURATION_PART.finditer(value):
+            if match.start() != position:
+                break
+            seconds += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+            position = match.end()
+        if position != len(value) or not value:
+            raise argparse.ArgumentTypeError(
+                f"invalid duration {text!r}: expected seconds or a duration such as 30s, 1m30s, 500ms"
+            ) from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: must be positive")
+    return seconds
+
+
+def endpoint_arg(text: str) -> GrpcEndpoint:
+    try:
+        return parse_grpc_endpoint(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def service_type_arg(text: str) -> int:
+    try:
+        return int(parse_service_type(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def properties_arg(text: str) -> dict[str, str]:
+    try:
+        return parse_properties(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def service_id_arg(text: str) -> int:
+    value = text.strip()
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_UINT64:
+        raise argparse.ArgumentTypeError(f"invalid service id {text!r}: expected an unsigned 64-bit integer")
+    return int(value)
+
+
+# ---- options ----
+
+COMMON_OPTIONS: list[Option] = [
+    Option(
+        "directory_endpoint",
+        "the directory gRPC endpoint URL",
+        DEFAULT_ENDPOINT,
+        "COGMENT_DIRECTORY_ENDPOINT",
+        endpoint_arg,
+        aliases=["endpoint"],
+    ),
+    Option(
+        "directory_authentication_token",
+        "the authentication token of the services in the directory",
+        "",
+        "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN",
+        aliases=["auth_token"],
+    ),
+    Option(
+        "timeout",
+        "timeout of the operation, in seconds or as a duration (30s, 1m30s, 500ms)",
+        DEFAULT_TIMEOUT_S,
+        "COGMENT_CLIENT_TIMEOUT",
+        parse_duration,
+    ),
+    Option(
+        "console_output",
+        "console output format",
+        "text",
+        "COGMENT_CLIENT_CONSOLE_OUTPUT",
+        str.lower,
+        choices=["text", "json"],
+    ),
+]
+
+TYPE_OPTION_HELP = f"service type ({TYPE_NAMES})"
+PROPERTIES_HELP = "service properties, as 'name=value,name2=value2'"
+
+REGISTER_OPTIONS: list[Option] = [
+    Option("host", "host of the service to register", ""),
+    Option("port", "TCP port of the service to register", 0, parse=port_number),
+    Option("protocol", "protocol of the service", "grpc", parse=str.lower, choices=["grpc", "cogment"]),
+    Option("ssl_required", "the service requires SSL (grpc protocol only)", False, parse=parse_bool),
+    Option("type", TYPE_OPTION_HELP, None, parse=service_type_arg),
+    Option("properties", PROPERTIES_HELP, {}, parse=properties_arg),
+    Option("permanent", "register permanently: never health-checked", False, parse=parse_bool),
+]
+DEREGISTER_OPTIONS: list[Option] = [
+    Option("service_id", "id of the service to deregister", None, parse=service_id_arg),
+    Option("secret", "secret returned by its registration", ""),
+]
+INQUIRE_OPTIONS: list[Option] = [
+    Option("service_id", "id of the service to find (not with --type/--properties)", 0, parse=service_id_arg),
+    Option("type", f"{TYPE_OPTION_HELP}; default: any type", None, parse=service_type_arg),
+    Option("properties", f"{PROPERTIES_HELP}; the services must have them all", None, parse=properties_arg),
+]
+
+
+# ---- talking to the directory ----
+
+
+class DirectoryClient:
+    """One directory connection; every call waits for the directory until `timeout_s`."""
+
+    def __init__(self, endpoint: GrpcEndpoint, token: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        self._channel = grpc.aio.insecure_channel(
+            endpoint.address,
+            # Retry connecting often: waiting for a directory that is starting should end soon
+            # after it serves, not after gRPC's default backoff (which grows to 2 minutes).
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+            ],
+        )
+        self._stub = directory_pb2_grpc.DirectorySPStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def register(self, request: directory_pb2.RegisterRequest) -> directory_pb2.RegisterReply:
+        replies: list[directory_pb2.RegisterReply] = [
+            reply
+            async for reply in self._stub.Register(
+                iter([request]), metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=True
+            )
+        ]
+        if not replies:
+            raise ClientError("Service registration failed [the directory sent no reply]")
+        return replies[0]
+
+    async def deregister(self, request: directory_pb2.DeregisterRequest) -> directory_pb2.DeregisterReply:
+        replies: list[directory_pb2.DeregisterReply] = [
+            reply
+            async for reply in self._stub.Deregister(
+                iter([request]), metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=True
+            )
+        ]
+        if not replies:
+            raise ClientError("Service deregistration failed [the directory sent no reply]")
+        return replies[0]
+
+    async def inquire(self, request: directory_pb2.InquireRequest) -> list[directory_pb2.FullServiceData]:
+        return [
+            reply.data
+            async for reply in self._stub.Inquire(
+                request, metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=True
+            )
+        ]
+
+    async def wait_for_ready(self) -> None:
+        """Inquire for service id 0 (which never exists) once the directory answers."""
+        await self.inquire(directory_pb2.InquireRequest(service_id=0))
+
+
+# ---- output ----
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def endpoint_text(endpoint: directory_pb2.ServiceEndpoint) -> tuple[str, bool]:
+    """The reference's rendering of a service endpoint, and whether it requires SSL."""
+    schemes = {
+        directory_pb2.ServiceEndpoint.GRPC: ("grpc", False),
+        directory_pb2.ServiceEndpoint.GRPC_SSL: ("grpc", True),
+        directory_pb2.ServiceEndpoint.COGMENT: ("cogment", False),
+    }
+    scheme, ssl = schemes.get(endpoint.protocol, ("<unknown>", False))
+    text = f"{scheme}://{format_host(endpoint.host)}"
+    if endpoint.port:
+        text += f":{endpoint.port}"
+    return text, ssl
+
+
+def print_services(services: Sequence[directory_pb2.FullServiceData], out: TextIO) -> None:
+    print(f"[{len(services)}] Services found", file=out)
+    for service in services:
+        endpoint, ssl = endpoint_text(service.endpoint)
+        print(f"Service ID [{service.service_id}]", file=out)
+        print(f"\tEndpoint [{endpoint}] SSL required [{str(ssl).lower()}]", file=out)
+        print(f"\tType [{service_type_name(service.details.type)}]", file=out)
+        print(f"\tPermanent [{str(service.permanent).lower()}]", file=out)
+        for name, value in sorted(service.details.properties.items()):
+            print(f"\t[{name}] = [{value}]", file=out)
+
+
+# ---- commands ----
+
+Values = Mapping[str, Any]
+Usage = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    options: list[Option]
+    run: Callable[[DirectoryClient, Values, TextIO], Awaitable[None]]
+    # Checks the flags before connecting; calls the usage function (exits with 2) on errors.
+    check: Callable[[Values, Usage], None] = lambda values, usage: None
+    aliases: tuple[str, ...] = ()
+
+
+def check_register(values: Values, usage: Usage) -> None:
+    if values["type"] is None:
+        usage(f"register needs --type ({TYPE_NAMES})")
+    if values["type"] == directory_pb2.UNKNOWN_SERVICE:
+        usage(f"register needs a service type ({TYPE_NAMES})")
+    if values["ssl_required"] and values["protocol"] != "grpc":
+        usage("--ssl_required only applies to --protocol grpc")
+
+
+async def run_register(client: DirectoryClient, values: Values, out: TextIO) -> None:
+    if values["protocol"] == "cogment":
+        protocol = directory_pb2.ServiceEndpoint.COGMENT
+    elif values["ssl_required"]:
+        protocol = directory_pb2.ServiceEndpoint.GRPC_SSL
+    else:
+        protocol = directory_pb2.ServiceEndpoint.GRPC
+    request = directory_pb2.RegisterRequest(
+        endpoint=directory_pb2.ServiceEndpoint(protocol=protocol, host=values["host"], port=values["port"]),
+        details=directory_pb2.ServiceDetails(
+            type=values["type"], properties={**values["properties"], **CLIENT_PROPERTIES}
+        ),
+        permanent=values["permanent"],
+    )
+    reply = await client.register(request)
+    if reply.status != directory_pb2.RegisterReply.OK:
+        raise ClientError(f"Service registration failed [{reply.error_msg}]")
+    if values["console_output"] == "json":
+        print(json.dumps(to_json(reply)), file=out)
+    else:
+        print(f"Service ID [{reply.service_id}] \tSecret [{reply.secret}]", file=out)
+
+
+def check_deregister(values: Values, usage: Usage) -> None:
+    if values["service_id"] is None:
+        usage("deregister needs --service_id")
+
+
+async def run_deregister(client: DirectoryClient, values: Values, out: TextIO) -> None:
+    request = directory_pb2.DeregisterRequest(service_id=values["service_id"], secret=values["secret"])
+    reply = await client.deregister(request)
+    if reply.status != directory_pb2.DeregisterReply.OK:
+        raise ClientError(f"Service deregistration failed [{reply.error_msg}]")
+    if values["console_output"] == "json":
+        print(json.dumps(to_json(reply)), file=out)
+
+
+def check_inquire(values: Values, usage: Usage) -> None:
+    if values["service_id"] and (values["type"] is not None or values["properties"] is not None):
+        usage("Can only inquire with a service ID or type/properties, not both")
+
+
+async def run_inquire(client: DirectoryClient, values: Values, out: TextIO) -> None:
+    if values["service_id"]:
+        request = directory_pb2.InquireRequest(service_id=values["service_id"])
+    else:
+        request = directory_pb2.InquireRequest(
+            details=directory_pb2.ServiceDetails(
+                type=values["type"] or directory_pb2.UNKNOWN_SERVICE, properties=values["properties"] or {}
+            )
+        )
+    services = await client.inquire(request)
+    if values["console_output"] == "json":
+        print(json.dumps({"services": [to_json(service) for service in services]}), file=out)
+    else:
+        print_services(services, out)
+
+
+async def run_wait_for_ready(client: DirectoryClient, values: Values, out: TextIO) -> None:
+    await client.wait_for_ready()
+
+
+COMMANDS: list[Command] = [
+    Command(
+        "register", "register a service in the directory", REGISTER_OPTIONS, run_register, check_register
+    ),
+    Command(
+        "deregister",
+        "remove a service from the directory",
+        DEREGISTER_OPTIONS,
+        run_deregister,
+        check_deregister,
+    ),
+    Command("inquire", "find services in the directory", INQUIRE_OPTIONS, run_inquire, check_inquire),
+    Command(
+        "wait_for_ready",
+        "wait until the directory answers (exit code 1 on timeout)",
+        [],
+        run_wait_for_ready,
+        aliases=("WaitForReady",),
+    ),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Cogment Directory command-line client.",
+        epilog="Exit codes: 0 success, 1 failure, 2 invalid usage.",
+    )
+    add_options(parser, COMMON_OPTIONS)
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        subparser = commands.add_parser(
+            command.name, aliases=list(command.aliases), help=command.help, description=command.help
+        )
+        add_options(subparser, [*COMMON_OPTIONS, *command.options])
+        subparser.set_defaults(command_spec=command, command_parser=subparser)
+    return parser
+
+
+def describe_rpc_error(error: grpc.aio.AioRpcError, command: str, values: Values) -> str:
+    endpoint = values["directory_endpoint"]
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the directory at {endpoint} did not answer within {values['timeout']:g} s"
+    return f"{command} failed: {error.code().name}: {error.details()} (directory {endpoint})"
+
+
+async def execute(command: Command, values: Values, out: TextIO) -> None:
+    client = DirectoryClient(
+        values["directory_endpoint"], values["directory_authentication_token"], values["timeout"]
+    )
+    try:
+        await command.run(client, values, out)
+    finally:
+        await client.close()
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command: Command = args.command_spec
+    subparser: argparse.ArgumentParser = args.command_parser
+    values = resolve(subparser, [*COMMON_OPTIONS, *command.options], args, environ)
+    command.check(values, subparser.error)
+    try:
+        asyncio.run(execute(command, values, out))
+    except ClientError as error:
+        print(f"Error: {error}", file=err)
+        return 1
+    except grpc.aio.AioRpcError as error:
+        print(f"Error: {describe_rpc_error(error, command.name, values)}", file=err)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""Self-registration of a service in a Cogment Directory (the reference's
+`CLI/clients/directory/manageRegistration.go`), as the Model Registry and Trial Datastore do it.
+
+Wiring in a `shared.server.Service`::
+
+    OPTIONS = [*service_options(ENV_PREFIX, DEFAULT_PORT), *registration_options("MODEL_REGISTRY"), ...]
+
+    def __init__(self, values):
+        ...
+        self.registration = DirectoryRegistration.from_values(values, [directory_pb2.MODEL_REGISTRY_SERVICE])
+
+    async def on_serving(self, port): await self.registration.start(port)
+    async def on_shutdown(self): await self.registration.stop()
+
+Behaviour:
+* No `--directory_endpoint` (the default): nothing happens.
+* `start(port)` returns at once; a background task registers every service type on one Register
+  stream: protocol GRPC (GRPC_SSL when the service serves TLS), the bound port, `permanent=false`,
+  metadata `authentication-token` when a token is configured, the configured properties plus
+  `__registration_source` and `__version`. While the directory cannot be reached it keeps trying
+  (wait-for-ready calls, reconnection backoff capped at a few seconds), logging a warning at first
+  and then about once a minute. A FAILED reply (the directory refused the request) is logged as an
+  error and not retried.
+* Host: `--directory_registration_host` when given (`__registration_source=Self-Command_Line`);
+  otherwise (`Self-Implicit`) the service's specific bind address if it has one, else
+  self-discovery: the first non-loopback IPv4 address of the host name (as the reference), else the
+  local address of the route to the directory if that is not loopback. When all fail, the
+  reference exits; here an error is logged and the service keeps serving, unregistered.
+* `stop()` cancels a registration still in progress and deregisters every registration made, on
+  one Deregister stream with a 10 s deadline; failures are only logged. A registration the
+  directory accepted but whose reply was cut off by `stop()` is not known here; as it is not
+  permanent, the directory's health checks remove it once the service is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from shared.api import directory_pb2, directory_pb2_grpc
+from shared.config import Option
+from shared.endpoints import (
+    GrpcEndpoint,
+    ServiceType,
+    parse_grpc_endpoint,
+    parse_properties,
+    service_type_name,
+)
+from shared.logging import get_logger
+from shared.version import PACKAGE_VERSION
+
+TOKEN_METADATA_KEY = "authentication-token"
+REGISTRATION_SOURCE_PROPERTY = "__registration_source"
+VERSION_PROPERTY = "__version"
+SOURCE_COMMAND_LINE = "Self-Command_Line"
+SOURCE_IMPLICIT = "Self-Implicit"
+
+DEREGISTER_TIMEOUT_S = 10.0
+# One registration attempt waits this long for the directory before the next one starts.
+ATTEMPT_TIMEOUT_S = 10.0
+RETRY_INITIAL_S = 0.25
+RETRY_MAX_S = 5.0
+# While the directory stays unreachable, a warning is logged about this often.
+WARN_EVERY_S = 60.0
+_WILDCARD_ADDRESSES = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+log = get_logger("shared.registration")
+
+
+def grpc_endpoint_or_empty(text: str) -> str:
+    """Option parser for `--directory_endpoint`: empty, or a valid `grpc://host:port` URL."""
+    text = text.strip()
+    if text:
+        try:
+            parse_grpc_endpoint(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def registration_options(service_env_name: str) -> list[Option]:
+    """The reference's self-registration options for one service.
+
+    `service_env_name` is the `<SVC>` part of `COGMENT_<SVC>_DIRECTORY_REGISTRATION_HOST`, e.g.
+    `MODEL_REGISTRY` or `TRIAL_DATASTORE`; a full prefix such as `COGMENT_MODEL_REGISTRY` works too.
+    """
+    name = service_env_name.strip("_").upper()
+    prefix = name if name.startswith("COGMENT_") else f"COGMENT_{name}"
+    return [
+        Option(
+            "directory_endpoint",
+            "grpc://host:port of a Cogment Directory to register in (empty: no registration)",
+            "",
+            "COGMENT_DIRECTORY_ENDPOINT",
+            grpc_endpoint_or_empty,
+        ),
+        Option(
+            "directory_authentication_token",
+            "authentication token of the directory registration",
+            "",
+            "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN",
+        ),
+        Option(
+            "directory_registration_host",
+            "host registered in the directory (default: the bind address if specific, else discovered)",
+            "",
+            f"{prefix}_DIRECTORY_REGISTRATION_HOST",
+        ),
+        Option(
+            "directory_registration_properties",
+            "properties registered in the directory, as 'name=value,name2=value2' "
+            "(an unparsable value is ignored with a warning)",
+            "",
+            f"{prefix}_DIRECTORY_REGISTRATION_PROPERTIES",
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class RegisteredService:
+    """One registration the directory accepted."""
+
+    service_type: ServiceType
+    service_id: int
+    secret: str
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def discover_host(directory: GrpcEndpoint | None = None) -> str | None:
+    """A non-loopback IPv4 address of this machine, or None. Blocking (DNS); run it in a thread.
+
+    First the reference's way (host name → DNS → first non-loopback IPv4), then the local address
+    of the route to `directory` (a UDP "connection": nothing is sent).
+    """
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as error:
+        log.debug("host name lookup failed", error=str(error))
+        infos = []
+    for info in infos:
+        address = str(info[4][0])
+        if not _is_loopback(address):
+            return address
+    if directory is not None:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((directory.host, directory.port))
+                address = str(probe.getsockname()[0])
+        except OSError as error:
+            log.debug("no route to the directory", error=str(error))
+        else:
+            if not _is_loopback(address) and address != "0.0.0.0":
+                return address
+    return None
+
+
+class DirectoryRegistration:
+    """Registers a service in a directory while it serves; see the module documentation."""
+
+    def __init__(
+        self,
+        directory_endpoint: str,
+        service_types: Sequence[ServiceType],
+        *,
+        authentication_token: str = "",
+        host: str = "",
+        properties: Mapping[str, str] | None = None,
+        bind_address: str = "",
+        ssl: bool = False,
+        deregister_timeout_s: float = DEREGISTER_TIMEOUT_S,
+        attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
+        """`directory_endpoint` empty disables registration; otherwise an invalid URL raises
+        ValueError. `bind_address` is the address the service listens on: a specific (not
+        wildcard) one is registered when no `host` is given."""
+        self.endpoint = parse_grpc_endpoint(directory_endpoint) if directory_endpoint.strip() else None
+        self.service_types = list(service_types)
+        self.authentication_token = authentication_token
+        self.host = host.strip()
+        self.properties = dict(properties or {})
+        bind_address = bind_address.strip()
+        self.bind_address = "" if bind_address in _WILDCARD_ADDRESSES else bind_address.strip("[]")
+        self.protocol = directory_pb2.ServiceEndpoint.GRPC_SSL if ssl else directory_pb2.ServiceEndpoint.GRPC
+        self.deregister_timeout_s = deregister_timeout_s
+        self.attempt_timeout_s = attempt_timeout_s
+        self.retry_max_s = retry_max_s
+        self._registered: list[RegisteredService] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._log = log.bind(directory=str(self.endpoint) if self.endpoint else None)
+
+    @classmethod
+    def from_values(
+        cls, values: Mapping[str, Any], service_types: Sequence[ServiceType], **kwargs: Any
+    ) -> DirectoryRegistration:
+        """From the values of `registration_options()` (and, when present, of
+        `shared.server.service_options()`: `bind_address`, `tls_cert`). Unparsable registration
+        properties are ignored with a warning."""
+        text = values.get("directory_registration_properties") or ""
+        try:
+            properties = parse_properties(text)
+        except ValueError as error:
+            log.warning("ignoring the directory registration properties", properties=text, error=str(error))
+            properties = {}
+        return cls(
+            values.get("directory_endpoint") or "",
+            service_types,
+            authentication_token=values.get("directory_authentication_token") or "",
+            host=values.get("directory_registration_host") or "",
+            properties=properties,
+            bind_address=values.get("bind_address") or "",
+            ssl=bool(values.get("tls_cert")),
+            **kwargs,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None and bool(self.service_types)
+
+    @property
+    def registered(self) -> list[RegisteredService]:
+        """The registrations the directory accepted so far (and not yet deregistered)."""
+        return list(self._registered)
+
+    async def start(self, port: int) -> None:
+        """Start registering the service listening on `port`; returns at once."""
+        if not self.enabled:
+            return
+        if self._task is not None:
+            raise RuntimeError("directory registration already started")
+        assert self.endpoint is not None
+        self._channel = grpc.aio.insecure_channel(
+            self.endpoint.address,
+            options=[
+                # Reconnect soon after the directory comes (back) up, not after gRPC's up to 2 min.
+                ("grpc.initial_reconnect_backoff_ms", int(RETRY_INITIAL_S * 1000)),
+                ("grpc.min_reconnect_backoff_ms", int(RETRY_INITIAL_S * 1000)),
+                ("grpc.max_reconnect_backoff_ms", int(self.retry_max_s * 1000)),
+            ],
+        )
+        self._task = asyncio.get_running_loop().create_task(
+            self._register(port), name="directory-registration"
+        )
+
+    async def wait(self) -> None:
+        """Wait until the registration task ends (registered, refused or given up); for tests."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+
+    async def stop(self) -> None:
+        """Cancel a pending registration and deregister; never raises for directory errors."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        channel, self._channel = self._channel, None
+        if channel is None:
+            return
+        try:
+            if self._registered:
+                await self._deregister(channel)
+        finally:
+            await channel.close()
+
+    # ---- internals ----
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((TOKEN_METADATA_KEY, self.authentication_token),) if self.authentication_token else ()
+
+    async def _registration_host(self) -> tuple[str | None, str]:
+        if self.host:
+            return self.host, SOURCE_COMMAND_LINE
+        if self.bind_address:
+            return self.bind_address, SOURCE_IMPLICIT
+        host = await asyncio.to_thread(discover_host, self.endpoint)
+        return host, SOURCE_IMPLICIT
+
+    async def _register(self, port: int) -> None:
+        try:
+            host, source = await self._registration_host()
+            if host is None:
+                self._log.error(
+                    "not registering in the directory: could not discover a non-loopback IPv4 "
+                    "address of this host; set --directory_registration_host (or its environment "
+                    "variable) to the address the directory and clients should use"
+                )
+                return
+            self._log.info(
+                "registering in the directory",
+                types=[service_type_name(t) for t in self.service_types],
+                host=host,
+                port=port,
+                protocol=directory_pb2.ServiceEndpoint.Protocol.Name(self.protocol),
+            )
+            properties = {
+                **self.properties,
+                REGISTRATION_SOURCE_PROPERTY: source,
+                VERSION_PROPERTY: PACKAGE_VERSION,
+            }
+            await self._register_until_done(host, port, properties)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # never take the service down
+            self._log.error("directory registration failed", exc_info=error)
+
+    async def _register_until_done(self, host: str, port: int, properties: dict[str, str]) -> None:
+        assert self._channel is not None
+        stub = directory_pb2_grpc.DirectorySPStub(self._channel)
+        pending = list(self.service_types)
+        delay = RETRY_INITIAL_S
+        first_failure: float | None = None
+        last_warning = 0.0
+        while pending:
+            requests = [
+                directory_pb2.RegisterRequest(
+                    endpoint=directory_pb2.ServiceEndpoint(protocol=self.protocol, host=host, port=port),
+                    details=directory_pb2.ServiceDetails(type=service_type, properties=properties),
+                    permanent=False,
+                )
+                for service_type in pending
+            ]
+            call = stub.Register(
+                iter(requests),
+                metadata=self._metadata(),
+                timeout=self.attempt_timeout_s,
+                wait_for_ready=True,
+            )
+            try:
+                # One reply per request, in order; the stream ends once they are all answered.
+                async for reply in call:
+                    if pending:
+                        self._handle_reply(pending.pop(0), reply, host, port)
+                if pending:
+                    raise RuntimeError("the directory ended the Register stream without replying")
+            except (grpc.aio.AioRpcError, RuntimeError) as error:
+                now = time.monotonic()
+                details = (
+                    {"code": error.code().name, "details": error.details()}
+                    if isinstance(error, grpc.aio.AioRpcError)
+                    else {"details": str(error)}
+                )
+                if first_failure is None:
+                    first_failure = last_warning = now
+                    self._log.warning("directory not reachable yet; will keep trying to register", **details)
+                elif now - last_warning >= WARN_EVERY_S:
+                    last_warning = now
+                    self._log.warning(
+                        "still trying to register in the directory",
+                        seconds=round(now - first_failure),
+                        **details,
+                    )
+                else:
+                    self._log.debug("directory registration attempt failed", **details)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+            finally:
+                call.cancel()
+
+    def _handle_reply(
+        self, service_type: ServiceType, reply: directory_pb2.RegisterReply, host: str, port: int
+    ) -> None:
+        type_name = service_type_name(service_type)
+        if reply.status == directory_pb2.RegisterReply.OK:
+            self._registered.append(RegisteredService(service_type, reply.service_id, reply.secret))
+            self._log.info(
+                "registered in the directory",
+                type=type_name,
+                service_id=reply.service_id,
+                host=host,
+                port=port,
+            )
+        else:
+            self._log.error(
+                "the directory refused the registration", type=type_name, error=reply.error_msg, host=host
+            )
+
+    async def _deregister(self, channel: grpc.aio.Channel) -> None:
+        registered, self._registered = self._registered, []
+        stub = directory_pb2_grpc.DirectorySPStub(channel)
+        requests = [
+            directory_pb2.DeregisterRequest(service_id=r.service_id, secret=r.secret) for r in registered
+        ]
+        call = stub.Deregister(
+            iter(requests), metadata=self._metadata(), timeout=self.deregister_timeout_s, wait_for_ready=True
+        )
+        answered = 0
+        try:
+            async for reply in call:
+                if answered == len(registered):
+                    break
+                registration = registered[answered]
+                answered += 1
+                if reply.status == directory_pb2.DeregisterReply.OK:
+                    self._log.info(
+                        "deregistered from the directory",
+                        type=service_type_name(registration.service_type),
+                        service_id=registration.service_id,
+                    )
+                else:
+                    self._log.warning(
+                        "the directory refused the deregistration",
+                        service_id=registration.service_id,
+                        error=reply.error_msg,
+                    )
+        except grpc.aio.AioRpcError as error:
+            self._log.warning(
+                "could not deregister from the directory",
+                code=error.code().name,
+                details=error.details(),
+                service_ids=[r.service_id for r in registered],
+            )
+        except Exception as error:
+            self._log.warning("could not deregister from the directory", exc_info=error)
+        finally:
+            call.cancel()
