@@ -8,22 +8,27 @@ replicas of a service share one database.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event, text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import StaticPool
+from sqlalchemy.sql.base import Executable
 
 from shared.logging import get_logger
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+COMPILED_READS_CACHE_SIZE = 256
 # Any constant works: it only has to be the same for every replica running migrations.
 MIGRATION_LOCK_ID = 0x636F676D656E74
 
@@ -38,18 +43,141 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     # Let SQLAlchemy's `begin` event emit BEGIN itself, so writes can take the lock up front.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    # The busy timeout first: switching to WAL waits for other connections' locks.
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
 
 
 def _sqlite_on_begin(connection: Connection) -> None:
+    options = connection.get_execution_options()
+    if options.get("sqlite_autocommit", False):
+        return  # one statement on its own: SQLite makes it atomic, no BEGIN/COMMIT round trips
     # Writers take the write lock at BEGIN: a deferred transaction that reads then writes can
     # fail with "database is locked" without waiting when another writer got there first.
-    immediate = connection.get_execution_options().get("sqlite_immediate", False)
-    connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if options.get("sqlite_immediate", False) else "BEGIN")
+
+
+T = TypeVar("T")
+_Work = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[[Connection], Any]]
+
+
+class _SqliteThread:
+    """Runs work on one thread with its own SQLite connection, for the event loop.
+
+    aiosqlite hops threads once per cursor operation (about ten per query), each hop a round
+    trip of the GIL. This thread instead runs a whole unit of work per hop (a statement, or a
+    transaction), and runs every unit queued since its last wake-up before handing all their
+    results back with one event-loop callback: under load the hand-off is paid per batch.
+    """
+
+    def __init__(self, url: URL, name: str, **options: Any) -> None:
+        self._engine = create_engine(url.set(drivername="sqlite"), poolclass=StaticPool).execution_options(
+            **options
+        )
+        event.listen(self._engine, "connect", _sqlite_on_connect)
+        event.listen(self._engine, "begin", _sqlite_on_begin)
+        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[Connection], T]) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, future, work))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._engine.dispose()
+
+    def _serve(self) -> None:
+        connection: Connection | None = None
+        try:
+            while (first := self._queue.get()) is not None:
+                batch = [first]
+                stopping = False
+                while not self._queue.empty():
+                    item = self._queue.get()
+                    if item is None:
+                        stopping = True
+                        break
+                    batch.append(item)
+                outcomes: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
+                for loop, future, work in batch:
+                    outcome: tuple[Any, Any, BaseException | None]
+                    try:
+                        # Connected on first use (and again after a failure), never at start-up,
+                        # when a migration may hold the database.
+                        connection = connection or self._engine.connect()
+                        outcome = (future, work(connection), None)
+                    except Exception as error:
+                        connection = _reset_after_failure(connection)
+                        outcome = (future, None, error)
+                    outcomes.setdefault(loop, []).append(outcome)
+                for loop, delivered in outcomes.items():
+                    if not loop.is_closed():
+                        loop.call_soon_threadsafe(_deliver, delivered)
+                if stopping:
+                    return
+        finally:
+            if connection is not None:
+                connection.close()
+
+
+def _reset_after_failure(connection: Connection | None) -> Connection | None:
+    """The connection to keep after failed work: rolled back, or None (reconnect) if it is broken."""
+    if connection is None:
+        return None
+    try:
+        if connection.in_transaction():
+            connection.rollback()
+        return connection
+    except Exception:
+        connection.close()
+        return None
+
+
+def _deliver(outcomes: list[tuple[Any, Any, BaseException | None]]) -> None:
+    for future, result, error in outcomes:
+        if future.cancelled():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
+class _CompiledRead:
+    """A read statement compiled once to SQLite's SQL, run straight on the driver's cursor:
+    the reader thread holds the GIL for microseconds per query instead of SQLAlchemy's
+    per-execution work (the values are plain text and integers, which need no conversion)."""
+
+    def __init__(self, statement: Executable, dialect: Any) -> None:
+        self.statement = statement
+        self._compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
+        self._sql = self._compiled.string
+        self._names = self._compiled.positiontup or []
+
+    def fetch(self, connection: Connection, parameters: dict[str, Any] | None) -> list[Any]:
+        values = self._compiled.construct_params(parameters)
+        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.execute(self._sql, [values[name] for name in self._names])
+            return list(cursor.fetchall())
+        finally:
+            cursor.close()
+
+
+def _in_transaction(work: Callable[[Connection], T]) -> Callable[[Connection], T]:
+    def run(connection: Connection) -> T:
+        with connection.begin():
+            return work(connection)
+
+    return run
 
 
 class Database:
@@ -74,6 +202,16 @@ class Database:
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(self.engine.sync_engine, "begin", _sqlite_on_begin)
+        # Single statements (most reads) run outside explicit transactions: each BEGIN and COMMIT
+        # is a round trip that a lone SELECT does not need. On SQLite they go to a reader thread
+        # (see _SqliteReader); WAL lets it read alongside the writer.
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._compiled_reads: dict[int, _CompiledRead] = {}
+        self._sqlite_reader: _SqliteThread | None = None
+        self._sqlite_writer: _SqliteThread | None = None
+        if self.is_sqlite:
+            self._sqlite_reader = _SqliteThread(self.url, "sqlite-reader", sqlite_autocommit=True)
+            self._sqlite_writer = _SqliteThread(self.url, "sqlite-writer", sqlite_immediate=True)
         # SQLite has one writer at a time: queueing writers of this process here is cheaper than
         # letting them spin on the busy timeout. Other processes still meet the busy timeout.
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
@@ -81,6 +219,18 @@ class Database:
     @property
     def display_url(self) -> str:
         return self.url.render_as_string(hide_password=True)
+
+    async def fetch(
+        self, statement: Executable, parameters: dict[str, Any] | None = None
+    ) -> Sequence[Sequence[Any]]:
+        """Every row of one statement, run on its own (no surrounding transaction). Rows are
+        read by position, in the order of the statement's columns."""
+        if self._sqlite_reader is not None:
+            return await self._sqlite_reader.submit(
+                lambda connection: connection.execute(statement, parameters).all()
+            )
+        async with self._autocommit.connect() as connection:
+            return (await connection.execute(statement, parameters)).all()
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
@@ -97,6 +247,26 @@ class Database:
             connection = await connection.execution_options(sqlite_immediate=True)
             async with connection.begin():
                 yield connection
+
+    def _sqlite_compiled(self, statement: Executable) -> _CompiledRead:
+        # Keyed by identity: statements built once (the hot ones) compile once.
+        cached = self._compiled_reads.get(id(statement))
+        if cached is None or cached.statement is not statement:
+            cached = self._compiled_reads[id(statement)] = _CompiledRead(statement, self.engine.dialect)
+            while len(self._compiled_reads) > COMPILED_READS_CACHE_SIZE:
+                self._compiled_reads.pop(next(iter(self._compiled_reads)))
+        return cached
+
+    async def run_write(self, work: Callable[[Connection], T]) -> T:
+        """Run `work` (synchronous SQLAlchemy code) in one write transaction.
+
+        For batches of statements: on SQLite the whole transaction runs in one hop to the writer
+        thread; on PostgreSQL it runs through the async driver.
+        """
+        if self._sqlite_writer is not None:
+            return await self._sqlite_writer.submit(_in_transaction(work))
+        async with self.engine.begin() as connection:
+            return await connection.run_sync(work)
 
     async def ping(self) -> None:
         async with self.engine.connect() as connection:
@@ -121,6 +291,9 @@ class Database:
 
     async def close(self) -> None:
         await self.engine.dispose()
+        for thread in (self._sqlite_reader, self._sqlite_writer):
+            if thread is not None:
+                await asyncio.get_running_loop().run_in_executor(None, thread.close)
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

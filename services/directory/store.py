@@ -3,14 +3,32 @@ replicas on one database serve the same directory."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
 import secrets
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, and_, delete, exists, func, insert, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    bindparam,
+    delete,
+    exists,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from services.directory.model import (
@@ -29,6 +47,14 @@ from shared.schema import directory_services as services
 from shared.schema import directory_settings as settings
 
 SECRET_KEY_SETTING = "secret_key"
+# Registrations written in one transaction at most (group commit).
+ADD_BATCH = 256
+# Choosing the driving property of an inquiry: counts are capped (an exact count of a common
+# property costs a scan) and kept for a while, in a bounded cache.
+PROPERTY_COUNT_CAP = 100
+PROPERTY_COUNT_TTL_S = 30.0
+PROPERTY_COUNT_CACHE_SIZE = 10_000
+_MOST_RECENT_FIRST = (services.c.registered_at.desc(), services.c.service_id.desc())
 _ENTRY_COLUMNS = (
     services.c.service_id,
     services.c.protocol,
@@ -52,23 +78,147 @@ def canonical_properties(properties: dict[str, str]) -> str:
     return json.dumps(properties, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _entry(row: Any) -> Entry:
+def _service_row(registration: Registration, token_digest: str, now_ns: int) -> dict[str, Any]:
+    properties_json = canonical_properties(registration.properties)
+    return {
+        "service_id": secrets.randbelow(MAX_SERVICE_ID) + 1,
+        "registered_at": now_ns,
+        "protocol": registration.endpoint.protocol,
+        "host": registration.endpoint.host,
+        "port": registration.endpoint.port,
+        "service_type": registration.service_type,
+        "properties": properties_json,
+        "properties_digest": sha256_hex(properties_json),
+        "permanent": registration.permanent,
+        "token_digest": token_digest,
+        "secret_nonce": secrets.token_hex(16),
+        "failed_checks": 0,
+        "load": 0,
+        "last_check_at": 0,
+        "next_check_at": now_ns if registration.health_checked else None,
+        "claimed_until": 0,
+    }
+
+
+@functools.cache
+def _capped_counts_statement(pair_count: int) -> Select[Any]:
+    """How many entries have each of `pair_count` properties, counting at most PROPERTY_COUNT_CAP."""
+    counts = []
+    for index in range(pair_count):
+        matching = (
+            select(literal(1))
+            .where(
+                properties_table.c.name == bindparam(f"name_{index}"),
+                properties_table.c.value == bindparam(f"value_{index}"),
+            )
+            .limit(PROPERTY_COUNT_CAP)
+            .subquery()
+        )
+        counts.append(select(func.count()).select_from(matching).scalar_subquery())
+    return select(*counts)
+
+
+@functools.cache
+def _by_id_statement() -> Select[Any]:
+    return select(*_ENTRY_COLUMNS).where(
+        services.c.service_id == bindparam("service_id"),
+        services.c.token_digest == bindparam("token"),
+        services.c.failed_checks == 0,
+    )
+
+
+@functools.cache
+def _by_details_statement(typed: bool, property_count: int) -> Select[Any]:
+    """The inquiry statement of one shape (built once: only the parameters change)."""
+    conditions: list[ColumnElement[bool]] = [services.c.failed_checks == 0]
+    if property_count == 0:
+        conditions.append(services.c.token_digest == bindparam("token"))
+        if typed:
+            conditions.append(services.c.service_type == bindparam("service_type"))
+        return select(*_ENTRY_COLUMNS).where(*conditions).order_by(*_MOST_RECENT_FIRST)
+    # Drive from the (name, value) index with the rarest inquired property (parameters `_0`);
+    # the others are primary-key lookups per candidate. Token and type are wrapped so that
+    # neither planner drives from the (token, type) index instead, which would visit every entry
+    # of the type.
+    conditions += [
+        properties_table.c.name == bindparam("name_0"),
+        properties_table.c.value == bindparam("value_0"),
+        func.coalesce(services.c.token_digest, "") == bindparam("token"),
+    ]
+    if typed:
+        conditions.append(func.coalesce(services.c.service_type, 0) == bindparam("service_type"))
+    other_properties = properties_table.alias("other_properties")
+    conditions += [
+        exists().where(
+            other_properties.c.service_id == services.c.service_id,
+            other_properties.c.name == bindparam(f"name_{index}"),
+            other_properties.c.value == bindparam(f"value_{index}"),
+        )
+        for index in range(1, property_count)
+    ]
+    return (
+        select(*_ENTRY_COLUMNS)
+        .select_from(properties_table.join(services, properties_table.c.service_id == services.c.service_id))
+        .where(*conditions)
+        .order_by(*_MOST_RECENT_FIRST)
+    )
+
+
+K = TypeVar("K")
+
+
+def _remember(cache: OrderedDict[K, tuple[float, float]], key: K, value: tuple[float, float]) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > PROPERTY_COUNT_CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+@dataclass
+class _PendingAdd:
+    registration: Registration
+    token_digest: str
+    now_ns: int
+    result: asyncio.Future[tuple[int, str, bool]]
+
+
+def _entry(row: Sequence[Any]) -> Entry:
+    """An entry from a row of _ENTRY_COLUMNS (by position: Database.fetch gives plain rows)."""
+    (
+        service_id,
+        protocol,
+        host,
+        port,
+        service_type,
+        properties,
+        permanent,
+        registered_at,
+        load,
+        failed,
+        checked,
+    ) = row
     return Entry(
-        service_id=row.service_id,
-        endpoint=Endpoint(row.protocol, row.host, row.port),
-        service_type=row.service_type,
-        properties=json.loads(row.properties),
-        permanent=bool(row.permanent),
-        registered_at=row.registered_at,
-        load=row.load,
-        failed_checks=row.failed_checks,
-        last_check_at=row.last_check_at,
+        service_id=service_id,
+        endpoint=Endpoint(protocol, host, port),
+        service_type=service_type,
+        properties=json.loads(properties),
+        permanent=bool(permanent),
+        registered_at=registered_at,
+        load=load,
+        failed_checks=failed,
+        last_check_at=checked,
     )
 
 
 class DirectoryStore:
     def __init__(self, database: Database) -> None:
         self.db = database
+        self._pending_adds: list[_PendingAdd] = []
+        self._add_writer: asyncio.Task[None] | None = None
+        # Capped entry counts, with their monotonic expiry: per (name, value), and the last one
+        # seen per name (the typical count of the name's values).
+        self._pair_counts: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
+        self._name_counts: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
     async def secret_key(self, configured: str | None) -> bytes:
         """The key secrets are derived from: the configured one, else one generated once and
@@ -92,56 +242,84 @@ class DirectoryStore:
 
         A permanent registration whose token, type and full property map match a permanent
         entry updates that entry's endpoint in place (same id and nonce) instead.
+
+        Registrations arriving while a transaction is being written are written together in the
+        next one (group commit): one transaction per burst rather than per registration.
         """
-        properties_json = canonical_properties(registration.properties)
-        while True:
-            service_id = secrets.randbelow(MAX_SERVICE_ID) + 1
-            nonce = secrets.token_hex(16)
-            row = {
-                "service_id": service_id,
-                "registered_at": now_ns,
-                "protocol": registration.endpoint.protocol,
-                "host": registration.endpoint.host,
-                "port": registration.endpoint.port,
-                "service_type": registration.service_type,
-                "properties": properties_json,
-                "properties_digest": sha256_hex(properties_json),
-                "permanent": registration.permanent,
-                "token_digest": token_digest,
-                "secret_nonce": nonce,
-                "failed_checks": 0,
-                "load": 0,
-                "last_check_at": 0,
-                "next_check_at": now_ns if registration.health_checked else None,
-                "claimed_until": 0,
-            }
+        pending = _PendingAdd(registration, token_digest, now_ns, asyncio.get_running_loop().create_future())
+        self._pending_adds.append(pending)
+        if self._add_writer is None or self._add_writer.done():
+            self._add_writer = asyncio.create_task(self._write_pending_adds())
+        return await pending.result
+
+    async def _write_pending_adds(self) -> None:
+        while self._pending_adds:
+            batch, self._pending_adds = self._pending_adds[:ADD_BATCH], self._pending_adds[ADD_BATCH:]
+            results: list[tuple[int, str, bool] | BaseException]
             try:
-                async with self.db.write() as connection:
-                    if registration.permanent:
-                        stored_id, stored_nonce = (
-                            await connection.execute(self._upsert_permanent(row))
-                        ).one()
-                    else:
-                        await connection.execute(insert(services).values(row))
-                        stored_id, stored_nonce = service_id, nonce
-                    created = stored_id == service_id
-                    if created and registration.properties:
-                        await connection.execute(
-                            insert(properties_table),
-                            [
-                                {"service_id": service_id, "name": name, "value": value}
-                                for name, value in registration.properties.items()
-                            ],
-                        )
-                return int(stored_id), str(stored_nonce), created
+                results = list(await self._add_batch(batch))
             except IntegrityError:
-                # A service id collision (one chance in 2^63): draw another one.
+                # A service id collision (one chance in 2^63 per entry): redo them one by one,
+                # each with fresh ids, so one collision does not fail the others.
+                results = []
+                for pending in batch:
+                    try:
+                        results.append(await self._retry_add(pending))
+                    except Exception as error:
+                        results.append(error)
+            except Exception as error:
+                results = [error for _ in batch]
+            for pending, result in zip(batch, results, strict=True):
+                if pending.result.done():
+                    continue
+                if isinstance(result, BaseException):
+                    pending.result.set_exception(result)
+                else:
+                    pending.result.set_result(result)
+
+    async def _retry_add(self, pending: _PendingAdd) -> tuple[int, str, bool]:
+        while True:
+            try:
+                return (await self._add_batch([pending]))[0]
+            except IntegrityError:
                 continue
 
-    def _upsert_permanent(self, row: dict[str, Any]) -> Any:
+    async def _add_batch(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
+        upsert_permanent = self._upsert_permanent
+
+        def write(connection: Connection) -> list[tuple[int, str, bool]]:
+            results: list[tuple[int, str, bool]] = []
+            new_rows: list[dict[str, Any]] = []
+            new_properties: list[dict[str, Any]] = []
+            for pending in batch:
+                row = _service_row(pending.registration, pending.token_digest, pending.now_ns)
+                if pending.registration.permanent:
+                    # One at a time, in order: a later identical registration updates this one.
+                    stored_id, stored_nonce = connection.execute(upsert_permanent, row).one()
+                else:
+                    new_rows.append(row)
+                    stored_id, stored_nonce = row["service_id"], row["secret_nonce"]
+                created = stored_id == row["service_id"]
+                if created:
+                    new_properties += [
+                        {"service_id": stored_id, "name": name, "value": value}
+                        for name, value in pending.registration.properties.items()
+                    ]
+                results.append((int(stored_id), str(stored_nonce), created))
+            if new_rows:
+                connection.execute(insert(services), new_rows)
+            if new_properties:
+                connection.execute(insert(properties_table), new_properties)
+            return results
+
+        return await self.db.run_write(write)
+
+    @functools.cached_property
+    def _upsert_permanent(self) -> Any:
+        """Insert a permanent entry, or update the permanent entry with the same identity."""
         dialect: Any = postgresql if self.db.is_postgresql else sqlite
         predicate = text("permanent") if self.db.is_postgresql else text("permanent = 1")
-        statement = dialect.insert(services).values(row)
+        statement = dialect.insert(services)
         return statement.on_conflict_do_update(
             index_elements=[services.c.token_digest, services.c.service_type, services.c.properties_digest],
             index_where=predicate,
@@ -175,35 +353,52 @@ class DirectoryStore:
 
     async def find(self, inquiry: Inquiry, token_digest: str) -> list[Entry]:
         """Healthy entries visible with this token that match the inquiry, most recent first."""
-        conditions: list[ColumnElement[bool]] = [
-            services.c.token_digest == token_digest,
-            services.c.failed_checks == 0,
-        ]
+        parameters: dict[str, Any] = {"token": token_digest, "service_type": inquiry.service_type}
         if inquiry.service_id is not None:
             if not 0 < inquiry.service_id <= MAX_SERVICE_ID:
                 return []
-            conditions.append(services.c.service_id == inquiry.service_id)
+            parameters["service_id"] = inquiry.service_id
+            statement = _by_id_statement()
+        elif any("\x00" in part for pair in inquiry.properties.items() for part in pair):
+            return []  # nothing stored can contain NUL (PostgreSQL refuses it in text)
         else:
-            if any("\x00" in part for pair in inquiry.properties.items() for part in pair):
-                return []  # nothing stored can contain NUL (PostgreSQL refuses it in text)
-            if inquiry.service_type != UNKNOWN_SERVICE:
-                conditions.append(services.c.service_type == inquiry.service_type)
-            for name, value in inquiry.properties.items():
-                conditions.append(
-                    exists().where(
-                        properties_table.c.service_id == services.c.service_id,
-                        properties_table.c.name == name,
-                        properties_table.c.value == value,
-                    )
-                )
-        statement = (
-            select(*_ENTRY_COLUMNS)
-            .where(and_(*conditions))
-            .order_by(services.c.registered_at.desc(), services.c.service_id.desc())
-        )
-        async with self.db.read() as connection:
-            rows = (await connection.execute(statement)).all()
-        return [_entry(row) for row in rows]
+            pairs = await self._rarest_first(inquiry.properties) if inquiry.properties else []
+            for index, (name, value) in enumerate(pairs):
+                parameters[f"name_{index}"], parameters[f"value_{index}"] = name, value
+            statement = _by_details_statement(inquiry.service_type != UNKNOWN_SERVICE, len(pairs))
+        return [_entry(row) for row in await self.db.fetch(statement, parameters)]
+
+    async def _rarest_first(self, properties: dict[str, str]) -> list[tuple[str, str]]:
+        """The inquired properties, fewest entries first.
+
+        Counts only choose the query plan, never the result, so estimates do: a recent capped
+        count of the (name, value) pair, else the typical count of the name's values (most names
+        are either identifying, like `__implementation`, or shared, like `__version`). The
+        database is asked only about names without a recent estimate.
+        """
+        pairs = sorted(properties.items())
+        if len(pairs) == 1:
+            return pairs
+        now = time.monotonic()
+
+        def estimate(pair: tuple[str, str]) -> float | None:
+            exact = self._pair_counts.get(pair)
+            if exact is not None and exact[1] >= now:
+                return exact[0]
+            typical = self._name_counts.get(pair[0])
+            return typical[0] if typical is not None and typical[1] >= now else None
+
+        unknown = [pair for pair in pairs if estimate(pair) is None]
+        if unknown:
+            parameters: dict[str, Any] = {}
+            for index, (name, value) in enumerate(unknown):
+                parameters[f"name_{index}"], parameters[f"value_{index}"] = name, value
+            (counts,) = await self.db.fetch(_capped_counts_statement(len(unknown)), parameters)
+            expiry = now + PROPERTY_COUNT_TTL_S
+            for (name, value), count in zip(unknown, counts, strict=True):
+                _remember(self._pair_counts, (name, value), (float(count), expiry))
+                _remember(self._name_counts, name, (float(count), expiry))
+        return sorted(pairs, key=lambda pair: estimate(pair) or 0.0)
 
     async def count(self) -> int:
         async with self.db.read() as connection:
@@ -227,9 +422,13 @@ class DirectoryStore:
         On PostgreSQL, SKIP LOCKED lets replicas claim disjoint entries at the same time; an
         entry stays claimed until its lease expires, so a crashed replica's claims are taken over.
         """
+        is_due = (services.c.next_check_at <= now_ns, services.c.claimed_until < now_ns)
+        # A read first: most polls find nothing due, and need not take the write lock for that.
+        if not await self.db.fetch(select(services.c.service_id).where(*is_due).limit(1)):
+            return []
         due = (
             select(services.c.service_id)
-            .where(services.c.next_check_at <= now_ns, services.c.claimed_until < now_ns)
+            .where(*is_due)
             .order_by(services.c.next_check_at)
             .limit(limit)
             .with_for_update(skip_locked=True)
