@@ -30,8 +30,8 @@ tells whether the server (the thing measured) or the client was the bottleneck.
 
 Dataset: entries come in groups of 1 to --max_group_size (default 1) that share a type and a
 property map, like the registrations of the SDKs (`__actor_class`, `__implementation`,
-`__registration_source`, `__version`, plus user properties). An inquiry names a group's type and its identifying
-properties, so it matches exactly that group. Most entries are non-permanent with protocol
+`__registration_source`, `__version`, plus user properties). An inquiry names a group's type
+and its identifying properties, so it matches exactly that group. Most entries are non-permanent with protocol
 COGMENT and host `client`: they are stored like any registration but are never health-checked,
 so no health check of a non-existent endpoint interferes (and removes entries) during the run. A
 share (`--permanent_share`) is registered permanent with protocol GRPC, which exercises the other
