@@ -10,8 +10,6 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from sqlalchemy.engine import make_url
-
 from shared.config import Option, parse_options
 from shared.db import DEFAULT_DATA_DIR, Database, current_revision, default_database_url
 from shared.logging import configure_logging, get_logger, logging_options
