@@ -69,6 +69,9 @@ directory_services = Table(
     ),
 )
 
+# One row per property of an entry. Matching goes through `pair_digest`, the SHA-256 of the
+# (name, value) pair: exact, and indexable whatever the size of names and values (PostgreSQL
+# cannot index text rows over ~2.7 kB).
 directory_service_properties = Table(
     "directory_service_properties",
     metadata,
@@ -78,9 +81,10 @@ directory_service_properties = Table(
         ForeignKey("directory_services.service_id", ondelete="CASCADE"),
         primary_key=True,
     ),
-    Column("name", Text, primary_key=True),
+    Column("pair_digest", String(64), primary_key=True),
+    Column("name", Text, nullable=False),
     Column("value", Text, nullable=False),
-    Index(None, "name", "value", "service_id"),
+    Index(None, "pair_digest", "service_id"),
 )
 
 directory_settings = Table(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -221,13 +222,49 @@ async def _guard_unexpected(error: Exception, recorder: _CallRecorder, context: 
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE)
 
 
-def _wrap_unary_response(behavior: Callable[..., Any], recorder: _CallRecorder) -> Callable[..., Any]:
+# Stands for request bytes that do not parse: the call then ends with INVALID_ARGUMENT (grpc
+# itself would answer UNKNOWN, or the handler's loop INTERNAL).
+_UNDECODABLE = object()
+UNDECODABLE_MESSAGE = "request is not a valid message of this method's type"
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError:
+            return _UNDECODABLE
+
+    return deserialize
+
+
+async def _checked_stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async for request in requests:
+        if request is _UNDECODABLE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
+        yield request
+
+
+async def _admitted(request: Any, streaming: bool, context: Any) -> Any:
+    if streaming:
+        return _checked_stream(request, context)
+    if request is _UNDECODABLE:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
+    return request
+
+
+def _wrap_unary_response(
+    behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
+) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> Any:
         recorder.started.inc()
         started_at = time.perf_counter()
         code = grpc.StatusCode.UNKNOWN
         try:
-            result = await behavior(request, context)
+            result = await behavior(await _admitted(request, streaming, context), context)
             code = _final_code(context)
             return result
         except asyncio.CancelledError:
@@ -245,13 +282,15 @@ def _wrap_unary_response(behavior: Callable[..., Any], recorder: _CallRecorder) 
     return handle
 
 
-def _wrap_stream_response(behavior: Callable[..., Any], recorder: _CallRecorder) -> Callable[..., Any]:
+def _wrap_stream_response(
+    behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
+) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
         recorder.started.inc()
         started_at = time.perf_counter()
         code = grpc.StatusCode.UNKNOWN
         try:
-            async for response in behavior(request, context):
+            async for response in behavior(await _admitted(request, streaming, context), context):
                 yield response
             code = _final_code(context)
         except (asyncio.CancelledError, GeneratorExit):
@@ -285,13 +324,10 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
         factory, attribute = _HANDLER_FACTORIES[rpc_type]
         behavior = getattr(handler, attribute)
         recorder = _CallRecorder.for_method(method, rpc_type)
-        if inspect.isasyncgenfunction(behavior):
-            wrapped = _wrap_stream_response(behavior, recorder)
-        else:
-            wrapped = _wrap_unary_response(behavior, recorder)
+        wrap = _wrap_stream_response if inspect.isasyncgenfunction(behavior) else _wrap_unary_response
         new_handler = factory(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
+            wrap(behavior, recorder, handler.request_streaming),
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
         self._handlers[method] = (handler, new_handler)

@@ -54,6 +54,7 @@ def upgrade() -> None:
     op.create_table(
         "directory_service_properties",
         sa.Column("service_id", sa.BigInteger(), nullable=False),
+        sa.Column("pair_digest", sa.String(length=64), nullable=False),
         sa.Column("name", sa.Text(), nullable=False),
         sa.Column("value", sa.Text(), nullable=False),
         sa.ForeignKeyConstraint(
@@ -62,12 +63,12 @@ def upgrade() -> None:
             name="fk_directory_service_properties_service_id_directory_services",
             ondelete="CASCADE",
         ),
-        sa.PrimaryKeyConstraint("service_id", "name", name="pk_directory_service_properties"),
+        sa.PrimaryKeyConstraint("service_id", "pair_digest", name="pk_directory_service_properties"),
     )
     op.create_index(
-        "ix_directory_service_properties_name_value_service_id",
+        "ix_directory_service_properties_pair_digest_service_id",
         "directory_service_properties",
-        ["name", "value", "service_id"],
+        ["pair_digest", "service_id"],
     )
     op.create_table(
         "directory_settings",

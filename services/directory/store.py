@@ -74,6 +74,11 @@ def sha256_hex(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8")).hexdigest()
 
 
+def pair_digest(name: str, value: str) -> str:
+    """What property matching compares: equal exactly when both name and value are equal."""
+    return sha256_hex(json.dumps([name, value], ensure_ascii=False))
+
+
 def canonical_properties(properties: dict[str, str]) -> str:
     return json.dumps(properties, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -108,8 +113,7 @@ def _capped_counts_statement(pair_count: int) -> Select[Any]:
         matching = (
             select(literal(1))
             .where(
-                properties_table.c.name == bindparam(f"name_{index}"),
-                properties_table.c.value == bindparam(f"value_{index}"),
+                properties_table.c.pair_digest == bindparam(f"pair_{index}"),
             )
             .limit(PROPERTY_COUNT_CAP)
             .subquery()
@@ -141,8 +145,7 @@ def _by_details_statement(typed: bool, property_count: int) -> Select[Any]:
     # neither planner drives from the (token, type) index instead, which would visit every entry
     # of the type.
     conditions += [
-        properties_table.c.name == bindparam("name_0"),
-        properties_table.c.value == bindparam("value_0"),
+        properties_table.c.pair_digest == bindparam("pair_0"),
         func.coalesce(services.c.token_digest, "") == bindparam("token"),
     ]
     if typed:
@@ -151,8 +154,7 @@ def _by_details_statement(typed: bool, property_count: int) -> Select[Any]:
     conditions += [
         exists().where(
             other_properties.c.service_id == services.c.service_id,
-            other_properties.c.name == bindparam(f"name_{index}"),
-            other_properties.c.value == bindparam(f"value_{index}"),
+            other_properties.c.pair_digest == bindparam(f"pair_{index}"),
         )
         for index in range(1, property_count)
     ]
@@ -302,7 +304,12 @@ class DirectoryStore:
                 created = stored_id == row["service_id"]
                 if created:
                     new_properties += [
-                        {"service_id": stored_id, "name": name, "value": value}
+                        {
+                            "service_id": stored_id,
+                            "pair_digest": pair_digest(name, value),
+                            "name": name,
+                            "value": value,
+                        }
                         for name, value in pending.registration.properties.items()
                     ]
                 results.append((int(stored_id), str(stored_nonce), created))
@@ -359,12 +366,10 @@ class DirectoryStore:
                 return []
             parameters["service_id"] = inquiry.service_id
             statement = _by_id_statement()
-        elif any("\x00" in part for pair in inquiry.properties.items() for part in pair):
-            return []  # nothing stored can contain NUL (PostgreSQL refuses it in text)
         else:
             pairs = await self._rarest_first(inquiry.properties) if inquiry.properties else []
-            for index, (name, value) in enumerate(pairs):
-                parameters[f"name_{index}"], parameters[f"value_{index}"] = name, value
+            for index, pair in enumerate(pairs):
+                parameters[f"pair_{index}"] = pair_digest(*pair)
             statement = _by_details_statement(inquiry.service_type != UNKNOWN_SERVICE, len(pairs))
         return [_entry(row) for row in await self.db.fetch(statement, parameters)]
 
@@ -391,8 +396,8 @@ class DirectoryStore:
         unknown = [pair for pair in pairs if estimate(pair) is None]
         if unknown:
             parameters: dict[str, Any] = {}
-            for index, (name, value) in enumerate(unknown):
-                parameters[f"name_{index}"], parameters[f"value_{index}"] = name, value
+            for index, pair in enumerate(unknown):
+                parameters[f"pair_{index}"] = pair_digest(*pair)
             (counts,) = await self.db.fetch(_capped_counts_statement(len(unknown)), parameters)
             expiry = now + PROPERTY_COUNT_TTL_S
             for (name, value), count in zip(unknown, counts, strict=True):
