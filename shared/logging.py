@@ -58,7 +58,8 @@ def configure_logging(level: str = "info", log_format: str = "text", log_file: s
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(_log_stream),
-        cache_logger_on_first_use=False,
+        # Loggers bind their configuration on first use instead of on every call (hot path).
+        cache_logger_on_first_use=True,
     )
     # Libraries logging through the standard library (alembic, grpc) follow the same level.
     logging.basicConfig(level=max(LEVELS[level], logging.WARNING), stream=_log_stream, force=True)

@@ -75,8 +75,9 @@ def sha256_hex(value: str) -> str:
 
 
 def pair_digest(name: str, value: str) -> str:
-    """What property matching compares: equal exactly when both name and value are equal."""
-    return sha256_hex(json.dumps([name, value], ensure_ascii=False))
+    """What property matching compares: equal exactly when both name and value are equal (the
+    name's length prefix keeps `("ab", "c")` and `("a", "bc")` apart)."""
+    return sha256_hex(f"{len(name)}:{name}={value}")
 
 
 def canonical_properties(properties: dict[str, str]) -> str:
