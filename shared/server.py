@@ -256,28 +256,39 @@ async def _admitted(request: Any, streaming: bool, context: Any) -> Any:
     return request
 
 
+class _ObservedCall:
+    """Counts, times and logs one call; turns an unexpected error into INTERNAL."""
+
+    __slots__ = ("context", "recorder", "started_at")
+
+    def __init__(self, recorder: _CallRecorder, context: Any) -> None:
+        self.recorder = recorder
+        self.context = context
+        self.started_at = 0.0
+
+    async def __aenter__(self) -> None:
+        self.recorder.started.inc()
+        self.started_at = time.perf_counter()
+
+    async def __aexit__(self, _type: Any, error: BaseException | None, _traceback: Any) -> bool:
+        if error is None or isinstance(error, grpc.aio.AbortError):
+            code = _final_code(self.context)
+        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            code = grpc.StatusCode.CANCELLED
+        else:
+            code = grpc.StatusCode.INTERNAL if isinstance(error, Exception) else grpc.StatusCode.UNKNOWN
+        self.recorder.finish(code, self.started_at, self.context)
+        if code is grpc.StatusCode.INTERNAL and isinstance(error, Exception):
+            await _guard_unexpected(error, self.recorder, self.context)  # raises AbortError
+        return False
+
+
 def _wrap_unary_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> Any:
-        recorder.started.inc()
-        started_at = time.perf_counter()
-        code = grpc.StatusCode.UNKNOWN
-        try:
-            result = await behavior(await _admitted(request, streaming, context), context)
-            code = _final_code(context)
-            return result
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except grpc.aio.AbortError:
-            code = _final_code(context)
-            raise
-        except Exception as error:
-            code = grpc.StatusCode.INTERNAL
-            await _guard_unexpected(error, recorder, context)
-        finally:
-            recorder.finish(code, started_at, context)
+        async with _ObservedCall(recorder, context):
+            return await behavior(await _admitted(request, streaming, context), context)
 
     return handle
 
@@ -286,24 +297,9 @@ def _wrap_stream_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
-        recorder.started.inc()
-        started_at = time.perf_counter()
-        code = grpc.StatusCode.UNKNOWN
-        try:
+        async with _ObservedCall(recorder, context):
             async for response in behavior(await _admitted(request, streaming, context), context):
                 yield response
-            code = _final_code(context)
-        except (asyncio.CancelledError, GeneratorExit):
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except grpc.aio.AbortError:
-            code = _final_code(context)
-            raise
-        except Exception as error:
-            code = grpc.StatusCode.INTERNAL
-            await _guard_unexpected(error, recorder, context)
-        finally:
-            recorder.finish(code, started_at, context)
 
     return handle
 

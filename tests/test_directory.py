@@ -467,3 +467,18 @@ async def test_discovery_token_property_is_the_token_not_a_property(directory: R
     assert await visible_ids(directory, properties={"d": "1", "__authentication-token": "other"}) == []
     # The metadata token, when present, is the one used.
     assert await visible_ids(directory, properties=with_property, token="other") == []
+
+
+async def test_an_unexpected_error_is_internal_and_the_server_keeps_serving(
+    directory: RunningDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*_args: object) -> None:
+        raise RuntimeError("a detail for the logs only")
+
+    monkeypatch.setattr(directory.service.store, "find", broken)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await inquire(directory, service_id=1)
+    assert error.value.code() == grpc.StatusCode.INTERNAL
+    assert "detail for the logs" not in (error.value.details() or "")
+    monkeypatch.undo()
+    assert await inquire(directory, service_id=1) == []
