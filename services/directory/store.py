@@ -344,15 +344,12 @@ class DirectoryStore:
         """(token digest, secret nonce) of an entry, or None when there is no such entry."""
         if not 0 < service_id <= MAX_SERVICE_ID:
             return None
-        async with self.db.read() as connection:
-            row = (
-                await connection.execute(
-                    select(services.c.token_digest, services.c.secret_nonce).where(
-                        services.c.service_id == service_id
-                    )
-                )
-            ).one_or_none()
-        return None if row is None else (row.token_digest, row.secret_nonce)
+        rows = await self.db.fetch(
+            select(services.c.token_digest, services.c.secret_nonce).where(
+                services.c.service_id == service_id
+            )
+        )
+        return (rows[0][0], rows[0][1]) if rows else None
 
     async def remove(self, service_id: int) -> bool:
         async with self.db.write() as connection:
@@ -407,19 +404,13 @@ class DirectoryStore:
         return sorted(pairs, key=lambda pair: estimate(pair) or 0.0)
 
     async def count(self) -> int:
-        async with self.db.read() as connection:
-            return int(await connection.scalar(select(func.count()).select_from(services)) or 0)
+        (row,) = await self.db.fetch(select(func.count()).select_from(services))
+        return int(row[0])
 
     async def count_healthy(self) -> tuple[int, int]:
         """(all entries, entries whose last check failed)."""
-        async with self.db.read() as connection:
-            row = (
-                await connection.execute(
-                    select(func.count(), func.count().filter(services.c.failed_checks > 0)).select_from(
-                        services
-                    )
-                )
-            ).one()
+        unhealthy = func.count().filter(services.c.failed_checks > 0)
+        (row,) = await self.db.fetch(select(func.count(), unhealthy).select_from(services))
         return int(row[0]), int(row[1])
 
     async def claim_due_checks(self, now_ns: int, lease_ns: int, limit: int) -> list[CheckTarget]:
