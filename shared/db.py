@@ -191,13 +191,15 @@ class Database:
             raise ValueError(
                 f"unsupported database URL {self.url.render_as_string()!r}: use sqlite or postgresql"
             )
-        kwargs: dict[str, Any] = {"pool_pre_ping": self.is_postgresql}
+        kwargs: dict[str, Any] = {}
         if self.is_sqlite:
             database = self.url.database or ""
             if database and database != ":memory:":
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
         else:
-            kwargs.update(pool_size=pool_size, max_overflow=pool_size)
+            # No pre-ping: it costs a round trip per checkout. A connection the server dropped fails
+            # one call, and SQLAlchemy then replaces the pool's connections; old ones are recycled.
+            kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
         self.engine: AsyncEngine = create_async_engine(self.url, **kwargs)
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_on_connect)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from sqlalchemy import text
+
 from services.directory.model import Endpoint, Registration
 from services.directory.store import DirectoryStore
 from shared.db import Database
@@ -73,3 +75,20 @@ async def test_claims_of_a_crashed_checker_are_taken_over(database_url: str) -> 
         assert [t.service_id for t in await store.claim_due_checks(time.time_ns(), lease, 10)] == [service_id]
     finally:
         await database.close()
+
+
+async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: str) -> None:
+    """Inquiry plans on PostgreSQL need statistics; the directory refreshes them itself after a
+    burst instead of waiting for autovacuum."""
+    async with make_directory_factory(postgres_url)() as directory:
+        await register_ok(directory, *(request(ACTOR, {"n": str(i)}) for i in range(300)))
+        database = directory.service.database
+
+        async def analyzed_rows() -> float:
+            query = "SELECT reltuples FROM pg_class WHERE relname = 'directory_services'"
+            return float((await database.fetch(text(query)))[0][0])
+
+        deadline = time.monotonic() + 15
+        while await analyzed_rows() < 300:
+            assert time.monotonic() < deadline, "statistics were not refreshed"
+            await asyncio.sleep(0.5)

@@ -22,7 +22,9 @@ from shared.server import Service, ServiceRuntime, database_url, service_options
 
 DEFAULT_PORT = 9005
 ENV_PREFIX = "COGMENT_DIRECTORY"
-GAUGE_PERIOD_S = 5.0
+MAINTENANCE_PERIOD_S = 5.0
+# Refresh the planner's statistics once the number of entries moved this much since the last time.
+STATISTICS_DRIFT = 0.2
 
 OPTIONS: list[Option] = [
     *service_options(ENV_PREFIX, DEFAULT_PORT),
@@ -82,7 +84,7 @@ class DirectoryService(Service):
         self.database = Database(database_url(values, "directory"))
         self.store = DirectoryStore(self.database)
         self.checker = HealthChecker(self.store, values["health_check_interval"])
-        self._gauge_task: asyncio.Task[None] | None = None
+        self._maintenance_task: asyncio.Task[None] | None = None
         self.directory: Directory | None = None
 
     @property
@@ -113,7 +115,7 @@ class DirectoryService(Service):
         runtime.add_status("nb_entries", nb_entries)
         runtime.add_status("load_balancing", load_balancing)
         self.checker.start()
-        self._gauge_task = asyncio.get_running_loop().create_task(self._publish_gauges())
+        self._maintenance_task = asyncio.get_running_loop().create_task(self._maintain())
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         assert self.directory is not None, "start() comes first"
@@ -123,16 +125,31 @@ class DirectoryService(Service):
 
     async def stop(self) -> None:
         await self.checker.stop()
-        if self._gauge_task is not None:
-            self._gauge_task.cancel()
+        if self._maintenance_task is not None:
+            self._maintenance_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._gauge_task
+                await self._maintenance_task
         await self.database.close()
 
-    async def _publish_gauges(self) -> None:
+    async def _maintain(self) -> None:
+        """Publish the entry gauges and keep the planner's statistics current.
+
+        On PostgreSQL an inquiry plan needs statistics to start from the property index; after a
+        burst of registrations (a fresh deployment, a restart of many services) autovacuum can
+        take a minute to notice, during which inquiries would scan every entry.
+        """
+        analyzed_at_count: int | None = None
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 total, unhealthy = await self.store.count_healthy()
                 entries_gauge.labels("healthy").set(total - unhealthy)
                 entries_gauge.labels("unhealthy").set(unhealthy)
-            await asyncio.sleep(GAUGE_PERIOD_S)
+                if self.database.is_postgresql and (
+                    analyzed_at_count is None
+                    or abs(total - analyzed_at_count) > STATISTICS_DRIFT * max(analyzed_at_count, 100)
+                ):
+                    await self.store.refresh_statistics()
+                    analyzed_at_count = total
+            except Exception as error:  # keep maintaining after a database hiccup
+                log.warning("directory maintenance failed", error=str(error))
+            await asyncio.sleep(MAINTENANCE_PERIOD_S)

@@ -141,14 +141,19 @@ def _by_details_statement(typed: bool, property_count: int) -> Select[Any]:
         if typed:
             conditions.append(services.c.service_type == bindparam("service_type"))
         return select(*_ENTRY_COLUMNS).where(*conditions).order_by(*_MOST_RECENT_FIRST)
-    # Drive from the (name, value) index with the rarest inquired property (parameters `_0`);
-    # the others are primary-key lookups per candidate. Token and type are wrapped so that
-    # neither planner drives from the (token, type) index instead, which would visit every entry
-    # of the type.
-    conditions += [
-        properties_table.c.pair_digest == bindparam("pair_0"),
-        func.coalesce(services.c.token_digest, "") == bindparam("token"),
-    ]
+    # Drive from the property index with the rarest inquired property (parameter `pair_0`); the
+    # others are primary-key lookups per candidate. The planners must not drive from the
+    # (token, type) index instead, which would visit every entry of the type: on PostgreSQL the
+    # candidates are a MATERIALIZED CTE (a plan fence, whatever the table statistics say, e.g.
+    # right after a bulk load); on SQLite, which inlines the CTE, wrapping token and type in
+    # coalesce() keeps their index out of the running.
+    candidates = (
+        select(properties_table.c.service_id)
+        .where(properties_table.c.pair_digest == bindparam("pair_0"))
+        .cte("candidates")
+        .prefix_with("MATERIALIZED", dialect="postgresql")
+    )
+    conditions.append(func.coalesce(services.c.token_digest, "") == bindparam("token"))
     if typed:
         conditions.append(func.coalesce(services.c.service_type, 0) == bindparam("service_type"))
     other_properties = properties_table.alias("other_properties")
@@ -161,7 +166,7 @@ def _by_details_statement(typed: bool, property_count: int) -> Select[Any]:
     ]
     return (
         select(*_ENTRY_COLUMNS)
-        .select_from(properties_table.join(services, properties_table.c.service_id == services.c.service_id))
+        .select_from(candidates.join(services, candidates.c.service_id == services.c.service_id))
         .where(*conditions)
         .order_by(*_MOST_RECENT_FIRST)
     )
@@ -412,6 +417,12 @@ class DirectoryStore:
         unhealthy = func.count().filter(services.c.failed_checks > 0)
         (row,) = await self.db.fetch(select(func.count(), unhealthy).select_from(services))
         return int(row[0]), int(row[1])
+
+    async def refresh_statistics(self) -> None:
+        """Have PostgreSQL re-read the directory tables' statistics (its plans depend on them)."""
+        async with self.db.engine.connect() as connection:
+            connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+            await connection.execute(text(f"ANALYZE {services.name}, {properties_table.name}"))
 
     async def claim_due_checks(self, now_ns: int, lease_ns: int, limit: int) -> list[CheckTarget]:
         """Take up to `limit` entries due for a health check, for `lease_ns`.
