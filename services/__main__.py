@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-SERVICES = ["services.directory"]
+SERVICES = ["services.directory", "services.model_registry"]
 
 
 def main() -> int:

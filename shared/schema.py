@@ -93,3 +93,54 @@ directory_settings = Table(
     Column("name", String(64), primary_key=True),
     Column("value", Text, nullable=False),
 )
+
+# ---- Model Registry ----
+
+# Models are keyed by `model_key`, the SHA-256 of the model id: ids are arbitrary strings of any
+# length, and PostgreSQL cannot index text over ~2.7 kB. The id itself is kept unindexed.
+registry_models = Table(
+    "registry_models",
+    metadata,
+    Column("model_key", String(64), primary_key=True),
+    Column("model_id", Text, nullable=False),
+    # Canonical JSON (sorted keys) of the user data map.
+    Column("user_data", Text, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    # The number the next version gets: taken with an UPDATE, whose row lock serializes the
+    # commits of every replica (unique, gap-free numbers).
+    Column("next_version", Integer, nullable=False, default=1),
+)
+
+registry_versions = Table(
+    "registry_versions",
+    metadata,
+    Column(
+        "model_key",
+        String(64),
+        ForeignKey("registry_models.model_key", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("version_number", Integer, primary_key=True, autoincrement=False),
+    Column("creation_timestamp", BigInteger, nullable=False),
+    Column("archived", Boolean, nullable=False),
+    # SHA-256 of the data, base64 with padding (as on the wire).
+    Column("data_hash", String(64), nullable=False),
+    Column("data_size", BigInteger, nullable=False),
+    Column("user_data", Text, nullable=False),
+    # Where the data lives in the blob store.
+    Column("blob_key", String(255), nullable=False),
+    # Least recently used transient versions are evicted first.
+    Column("last_used_at", BigInteger, nullable=False),
+    Index(None, "archived", "last_used_at"),
+)
+
+# Blobs to delete once `delete_after` has passed: uploads in progress (so a crash leaves nothing
+# behind for good) and the data of deleted or evicted versions (after a grace period, so
+# downloads in flight can finish).
+registry_blob_garbage = Table(
+    "registry_blob_garbage",
+    metadata,
+    Column("blob_key", String(255), primary_key=True),
+    Column("delete_after", BigInteger, nullable=False),
+    Index(None, "delete_after"),
+)

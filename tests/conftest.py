@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.directory.service import DirectoryService
 from shared.api import directory_pb2_grpc
 from shared.config import parse_options
-from shared.server import serve
+from shared.server import Service, serve
 from tests.interop.sdk_env import SdkEnvError, ensure_sdk_python
 
 pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.seaweedfs"]
@@ -55,8 +56,11 @@ class RunningDirectory:
         return f"127.0.0.1:{self.port}"
 
 
+S = TypeVar("S", bound=Service)
+
+
 @asynccontextmanager
-async def run_in_process(service: DirectoryService) -> AsyncIterator[DirectoryService]:
+async def run_in_process(service: S) -> AsyncIterator[S]:
     """Serve `service` in this event loop until the block ends."""
     stop = asyncio.Event()
     task = asyncio.create_task(serve(service, stop, handle_signals=False))

@@ -8,16 +8,27 @@ import re
 import pytest
 
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
+from services.model_registry.service import OPTIONS as MODEL_REGISTRY_OPTIONS
 from shared.config import Option
+from shared.server import service_options
 from tests.helpers.services import PROJECT_ROOT
 
 README = (PROJECT_ROOT / "README.md").read_text()
 
 
-@pytest.mark.parametrize("option", DIRECTORY_OPTIONS, ids=lambda option: option.flag)
-def test_every_directory_flag_is_documented(option: Option) -> None:
+# Flags every service has: the README lists them in the directory's table, and says the other
+# services' variables differ only by their prefix.
+COMMON_FLAGS = {option.flag for option in service_options("COGMENT_DIRECTORY", 0)}
+DIRECTORY_ENV = {option.flag: option.env for option in DIRECTORY_OPTIONS}
+
+
+@pytest.mark.parametrize(
+    "option", [*DIRECTORY_OPTIONS, *MODEL_REGISTRY_OPTIONS], ids=lambda option: option.env or option.flag
+)
+def test_every_flag_is_documented(option: Option) -> None:
     assert f"`--{option.flag}`" in README
-    if option.env:
+    listed_once = option.flag in COMMON_FLAGS and option.env != DIRECTORY_ENV[option.flag]
+    if option.env and not listed_once:
         assert f"`{option.env}`" in README
 
 

@@ -1,0 +1,274 @@
+"""The Model Registry's rules: models, immutable numbered versions and their data.
+
+Metadata lives in SQL (`RegistryStore`), version data in a blob store. A version becomes visible
+only once its data is fully stored: the blob is uploaded first (recorded as garbage until then,
+so a crash leaves it to the collector), then one transaction gives it the model's next number.
+Transient (non-archived) versions are kept up to `cache_max_items`, least recently used evicted
+first; archived versions are never evicted. Blobs of deleted and evicted versions are collected
+after a grace period, so downloads already under way finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from services.model_registry.blobstore import BlobStore, BlobStoreError
+from services.model_registry.store import (
+    ModelInfo,
+    RegistryStore,
+    VersionInfo,
+    VersionRecord,
+    model_key,
+)
+from shared.logging import get_logger
+
+# Downloads of a deleted or evicted version get this long to finish before its blob goes.
+GARBAGE_GRACE_S = 60.0
+# An upload still unfinished after this long was abandoned (its process died): collect it.
+STALE_UPLOAD_S = 24 * 3600.0
+GARBAGE_PERIOD_S = 10.0
+GARBAGE_BATCH = 100
+# How often a VersionUpdate stream looks for versions created through other replicas.
+VERSION_POLL_S = 0.5
+
+log = get_logger("model_registry.core")
+
+
+class RegistryError(Exception):
+    pass
+
+
+class NotFound(RegistryError):
+    pass
+
+
+class InvalidRequest(RegistryError):
+    pass
+
+
+@dataclass(frozen=True)
+class VersionHeader:
+    """What a CreateVersion header asks for."""
+
+    model_id: str
+    archived: bool
+    data_size: int
+    data_hash: str
+    user_data: dict[str, str]
+    creation_timestamp: int
+
+
+def parse_handle(handle: str, field: str) -> int:
+    """Handles are decimal numbers (empty = 0), as in the reference."""
+    if not handle:
+        return 0
+    if not handle.isdecimal():
+        raise InvalidRequest(f"Invalid value for `{field}` [{handle}]: expected a non-negative integer")
+    return int(handle)
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        store: RegistryStore,
+        blobs: BlobStore,
+        *,
+        cache_max_items: int,
+        chunk_size: int,
+    ) -> None:
+        self._store = store
+        self._blobs = blobs
+        self.cache_max_items = cache_max_items
+        self.chunk_size = chunk_size
+        self._created = asyncio.Condition()
+        self._gc_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._gc_task = asyncio.get_running_loop().create_task(self._collect_forever(), name="registry-gc")
+
+    async def stop(self) -> None:
+        if self._gc_task is not None:
+            self._gc_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._gc_task
+
+    # ---- models ----
+
+    async def create_or_update_model(self, model_id: str, user_data: dict[str, str]) -> None:
+        await self._store.upsert_model(model_id, user_data, time.time_ns())
+
+    async def delete_model(self, model_id: str) -> None:
+        if not await self._store.delete_model(model_id, _after(GARBAGE_GRACE_S)):
+            raise NotFound(f'no model "{model_id}" found')
+        log.info("model deleted", model_id=model_id)
+
+    async def retrieve_models(
+        self, model_ids: Sequence[str], count: int, handle: str
+    ) -> tuple[list[ModelInfo], str]:
+        offset = parse_handle(handle, "model_handle")
+        limit = count or None
+        if not model_ids:
+            models = await self._store.list_models(offset, limit)
+        else:
+            wanted = list(model_ids[offset : None if limit is None else offset + limit])
+            found = await self._store.get_models(wanted)
+            missing = [model_id for model_id in wanted if model_id not in found]
+            if missing:
+                raise NotFound(f'no model "{missing[0]}" found')
+            models = [found[model_id] for model_id in wanted]
+        return models, str(offset + len(models))
+
+    # ---- versions ----
+
+    async def create_version(self, header: VersionHeader, chunks: AsyncIterator[bytes]) -> VersionInfo:
+        """Store the data streamed in `chunks` as the model's next version."""
+        if not await self._store.get_models([header.model_id]):
+            raise NotFound(f'no model "{header.model_id}" found')
+        blob_key = f"versions/{model_key(header.model_id)}/{secrets.token_hex(16)}"
+        await self._store.record_upload(blob_key, _after(STALE_UPLOAD_S))
+        upload = await self._blobs.open_upload(blob_key)
+        async with upload:  # aborted (no stored bytes) unless committed
+            received = 0
+            async for chunk in chunks:
+                received += len(chunk)
+                if received > header.data_size:
+                    raise InvalidRequest(
+                        f"received more data than expected: expected {header.data_size} bytes, "
+                        f"received at least {received} bytes"
+                    )
+                await upload.write(chunk)
+            if received != header.data_size:
+                raise InvalidRequest(
+                    "stream ended while having not received the expected data, "
+                    f"expected {header.data_size} bytes, received {received} bytes"
+                )
+            size, data_hash = await upload.commit()
+        if header.data_hash and header.data_hash != data_hash:
+            await self._discard(blob_key)
+            raise InvalidRequest(
+                f'received data did not match the expected hash, expected "{header.data_hash}", '
+                f'received "{data_hash}"'
+            )
+        now = time.time_ns()
+        info = await self._store.commit_version(
+            header.model_id,
+            blob_key,
+            archived=header.archived,
+            data_hash=data_hash,
+            data_size=size,
+            user_data=header.user_data,
+            creation_timestamp=header.creation_timestamp or now,
+            now_ns=now,
+        )
+        if info is None:  # the model was deleted meanwhile; the blob is collected as garbage
+            raise NotFound(f'no model "{header.model_id}" found')
+        log.debug("version created", model_id=info.model_id, version=info.version_number, size=size)
+        async with self._created:
+            self._created.notify_all()
+        if not info.archived:
+            evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
+            if evicted:
+                log.debug("transient versions evicted", versions=evicted)
+        return info
+
+    async def _discard(self, blob_key: str) -> None:
+        # The garbage row recorded at the start stays: the collector retries if this fails.
+        with contextlib.suppress(BlobStoreError):
+            await self._blobs.delete(blob_key)
+
+    async def resolve(self, model_id: str, number: int) -> VersionRecord:
+        """The version `number` of the model: -1 is the latest, -n the n-th to last."""
+        latest = await self._store.latest_number(model_id)
+        if latest is None:
+            raise NotFound(f'no model "{model_id}" found')
+        wanted = latest + number + 1 if number < 0 else number
+        record = await self._store.get_version(model_id, wanted) if wanted > 0 else None
+        if record is None:
+            raise NotFound(f'no version "{number}" for model "{model_id}" found')
+        return record
+
+    async def retrieve_version_infos(
+        self, model_id: str, numbers: Sequence[int], count: int, handle: str
+    ) -> tuple[list[VersionInfo], str]:
+        start = parse_handle(handle, "version_handle")
+        limit = count or None
+        if numbers:
+            # As the reference: the handle is an offset into the requested numbers.
+            wanted = numbers[start : None if limit is None else start + limit]
+            infos = [(await self.resolve(model_id, number)).info for number in wanted]
+        else:
+            if await self._store.latest_number(model_id) is None:
+                raise NotFound(f'no model "{model_id}" found')
+            infos = await self._store.list_versions(model_id, max(start, 1), limit)
+        next_handle = str(infos[-1].version_number + 1) if infos else str(start)
+        return infos, next_handle
+
+    async def version_data(self, record: VersionRecord) -> AsyncIterator[bytes]:
+        """The version's data in chunks of `chunk_size` (one empty chunk for no data)."""
+        if not record.info.archived:
+            await self._store.touch(record.info.model_id, record.info.version_number, time.time_ns())
+        sent = False
+        async for chunk in self._blobs.read(record.blob_key, self.chunk_size):
+            sent = True
+            yield chunk
+        if not sent:
+            yield b""
+
+    async def version_updates(self, model_id: str) -> AsyncIterator[VersionInfo]:
+        """The latest version at once (if any), then every newer one, until the caller stops.
+
+        Versions created in this process wake the stream at once; those created through other
+        replicas are seen within VERSION_POLL_S.
+        """
+        latest = await self._store.latest_number(model_id)
+        if latest is None:
+            raise NotFound(f"unknown model id [{model_id}]")
+        sent = 0
+        while True:
+            if latest is None:
+                return  # the model was deleted
+            if latest > sent:
+                for number in range(sent + 1, latest + 1) if sent else [latest]:
+                    record = await self._store.get_version(model_id, number)
+                    if record is not None:  # evicted or deleted meanwhile: skipped
+                        yield record.info
+                sent = latest
+            async with self._created:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._created.wait(), VERSION_POLL_S)
+            latest = await self._store.latest_number(model_id)
+
+    # ---- garbage ----
+
+    async def collect_garbage(self) -> int:
+        """Delete the blobs whose time has come; returns how many."""
+        keys = await self._store.take_garbage(time.time_ns(), GARBAGE_BATCH)
+        failed = []
+        for key in keys:
+            try:
+                await self._blobs.delete(key)
+            except BlobStoreError as error:
+                log.warning("could not delete a blob, will retry", key=key, error=str(error))
+                failed.append(key)
+        if failed:
+            await self._store.return_garbage(failed, _after(GARBAGE_PERIOD_S * 6))
+        return len(keys) - len(failed)
+
+    async def _collect_forever(self) -> None:
+        while True:
+            try:
+                while await self.collect_garbage() >= GARBAGE_BATCH:
+                    pass
+                await self._blobs.cleanup_incomplete(STALE_UPLOAD_S)
+            except Exception as error:  # keep collecting after a storage hiccup
+                log.warning("garbage collection failed", error=str(error))
+            await asyncio.sleep(GARBAGE_PERIOD_S)
+
+
+def _after(seconds: float) -> int:
+    return time.time_ns() + int(seconds * 1e9)

@@ -1,0 +1,113 @@
+"""The Model Registry service: its options and its life cycle on the shared server bootstrap."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.model_registry.blobstore import BlobStore, LocalBlobStore, S3BlobStore
+from services.model_registry.core import ModelRegistry
+from services.model_registry.servicer import ModelRegistryServicer
+from services.model_registry.store import RegistryStore
+from shared.api import directory_pb2, model_registry_pb2, model_registry_pb2_grpc
+from shared.config import Option, non_negative_int, parse_bool
+from shared.db import Database
+from shared.logging import get_logger
+from shared.registration import DirectoryRegistration, registration_options
+from shared.server import Service, ServiceRuntime, database_url, service_options
+
+DEFAULT_PORT = 9002
+ENV_PREFIX = "COGMENT_MODEL_REGISTRY"
+# gRPC clients (the SDK among them) refuse messages over 4 MiB by default.
+MAX_CHUNK_SIZE = 4 * 1024 * 1024 - 1024
+
+
+def chunk_size(text: str) -> int:
+    value = int(text)
+    if not 0 < value <= MAX_CHUNK_SIZE:
+        raise argparse.ArgumentTypeError(f"expected 1..{MAX_CHUNK_SIZE} bytes (under gRPC's 4 MiB limit)")
+    return value
+
+
+OPTIONS: list[Option] = [
+    *service_options(ENV_PREFIX, DEFAULT_PORT),
+    Option("archive_dir", "directory of the version data when no S3 endpoint is set "
+           "(default: model_registry/ in the data directory)", None, f"{ENV_PREFIX}_ARCHIVE_DIR"),
+    Option("cache_max_items", "transient (non-archived) versions kept, least recently used evicted first",
+           100, f"{ENV_PREFIX}_VERSION_CACHE_MAX_ITEMS", non_negative_int),
+    Option("sent_version_chunk_size", "bytes per RetrieveVersionData message", 2 * 1024 * 1024,
+           f"{ENV_PREFIX}_SENT_MODEL_VERSION_DATA_CHUNK_SIZE", chunk_size),
+    Option("s3_endpoint", "host:port of an S3-compatible server for the version data (off when unset)",
+           None, f"{ENV_PREFIX}_S3_ENDPOINT"),
+    Option("s3_bucket", "bucket of the version data (created if missing)", "cogment-model-registry",
+           f"{ENV_PREFIX}_S3_BUCKET"),
+    Option("s3_prefix", "prefix of the registry's object keys in the bucket", "", f"{ENV_PREFIX}_S3_PREFIX"),
+    Option("s3_access_key", "S3 access key", None, f"{ENV_PREFIX}_S3_ACCESS_KEY"),
+    Option("s3_secret_key", "S3 secret key", None, f"{ENV_PREFIX}_S3_SECRET_KEY"),
+    Option("s3_region", "S3 region", None, f"{ENV_PREFIX}_S3_REGION"),
+    Option("s3_secure", "reach the S3 server over TLS", True, f"{ENV_PREFIX}_S3_SECURE", parse_bool),
+    *registration_options("MODEL_REGISTRY"),
+]  # fmt: skip
+
+log = get_logger("model_registry")
+
+
+def blob_store(values: dict[str, Any]) -> BlobStore:
+    if values["s3_endpoint"]:
+        return S3BlobStore(
+            values["s3_endpoint"],
+            values["s3_access_key"],
+            values["s3_secret_key"],
+            values["s3_bucket"],
+            secure=values["s3_secure"],
+            region=values["s3_region"],
+            prefix=values["s3_prefix"],
+        )
+    return LocalBlobStore(Path(values["archive_dir"] or Path(values["data_dir"]) / "model_registry"))
+
+
+class ModelRegistryService(Service):
+    name = "model_registry"
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self.database = Database(database_url(values, "model_registry"))
+        self.store = RegistryStore(self.database)
+        self.blobs = blob_store(values)
+        self.registry = ModelRegistry(
+            self.store,
+            self.blobs,
+            cache_max_items=values["cache_max_items"],
+            chunk_size=values["sent_version_chunk_size"],
+        )
+        self.registration = DirectoryRegistration.from_values(values, [directory_pb2.MODEL_REGISTRY_SERVICE])
+
+    @property
+    def grpc_service_names(self) -> Sequence[str]:
+        return [model_registry_pb2.DESCRIPTOR.services_by_name["ModelRegistrySP"].full_name]
+
+    async def start(self, runtime: ServiceRuntime) -> None:
+        log.info("opening storage", database=self.database.display_url, blobs=self.blobs.description)
+        await self.database.migrate()
+        await self.blobs.start()
+        self.registry.start()
+
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+        model_registry_pb2_grpc.add_ModelRegistrySPServicer_to_server(
+            ModelRegistryServicer(self.registry, runtime), server
+        )
+
+    async def on_serving(self, port: int) -> None:
+        await self.registration.start(port)
+
+    async def on_shutdown(self) -> None:
+        await self.registration.stop()
+
+    async def stop(self) -> None:
+        await self.registry.stop()
+        await self.blobs.close()
+        await self.database.close()

@@ -1,0 +1,270 @@
+"""Model Registry behaviour over real gRPC: on SQLite with the local blob store, and on
+PostgreSQL with a real S3 server (SeaweedFS)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+import services.model_registry.core as registry_core
+from services.model_registry.blobstore import BlobNotFound
+from services.model_registry.service import OPTIONS, ModelRegistryService
+from shared.api import model_registry_pb2 as mr
+from shared.api import model_registry_pb2_grpc
+from shared.config import parse_options
+from tests.conftest import run_in_process
+
+CHUNK = 2 * 1024 * 1024
+
+
+@dataclass
+class RunningRegistry:
+    service: ModelRegistryService
+    stub: model_registry_pb2_grpc.ModelRegistrySPStub
+
+
+RegistryFactory = Callable[..., AbstractAsyncContextManager[RunningRegistry]]
+
+
+@pytest.fixture(params=["sqlite-local", "postgresql-s3"])
+def registry_factory(request: pytest.FixtureRequest, tmp_path: Path) -> RegistryFactory:
+    """Registries on one database and blob store (several may run at once: replicas)."""
+    if request.param == "sqlite-local":
+        storage = ["--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
+                   "--archive_dir", str(tmp_path / "blobs")]  # fmt: skip
+    else:
+        s3 = request.getfixturevalue("seaweed_s3")
+        storage = [
+            "--database_url", request.getfixturevalue("postgres_url"),
+            "--s3_endpoint", s3.endpoint, "--s3_access_key", s3.access_key, "--s3_secret_key", s3.secret_key,
+            "--s3_secure=false", "--s3_bucket", f"test-{secrets.token_hex(6)}",
+        ]  # fmt: skip
+
+    @asynccontextmanager
+    async def start(*flags: str) -> AsyncIterator[RunningRegistry]:
+        argv = ["--port", "0", "--bind_address", "127.0.0.1", *storage, *flags]
+        values = parse_options(OPTIONS, argv, prog="test", description="test", environ={})
+        async with run_in_process(ModelRegistryService(values)) as service:
+            assert service.port is not None  # known once serving: the channel comes after
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+                yield RunningRegistry(service, model_registry_pb2_grpc.ModelRegistrySPStub(channel))
+
+    return start
+
+
+@pytest.fixture
+async def registry(registry_factory: RegistryFactory) -> AsyncIterator[RunningRegistry]:
+    async with registry_factory() as running:
+        yield running
+
+
+def digest(data: bytes) -> str:
+    return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+async def create_model(r: RunningRegistry, model_id: str, **user_data: str) -> None:
+    await r.stub.CreateOrUpdateModel(
+        mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id=model_id, user_data=user_data))
+    )
+
+
+def chunks(
+    model_id: str, data: bytes, *, archived: bool = True, size: int | None = None, hash_: str | None = None
+) -> list[mr.CreateVersionRequestChunk]:
+    info = mr.ModelVersionInfo(
+        model_id=model_id,
+        archived=archived,
+        data_size=len(data) if size is None else size,
+        data_hash="" if hash_ is None else hash_,
+        user_data={"k": "v"},
+    )
+    messages = [mr.CreateVersionRequestChunk(header=mr.CreateVersionRequestChunk.Header(version_info=info))]
+    messages += [
+        mr.CreateVersionRequestChunk(body=mr.CreateVersionRequestChunk.Body(data_chunk=data[i : i + CHUNK]))
+        for i in range(0, len(data), CHUNK)
+    ]
+    return messages
+
+
+async def _stream(items: list[mr.CreateVersionRequestChunk]) -> AsyncIterator[mr.CreateVersionRequestChunk]:
+    for item in items:
+        yield item
+
+
+async def create_version(
+    r: RunningRegistry, model_id: str, data: bytes, **kwargs: object
+) -> mr.ModelVersionInfo:
+    reply = await r.stub.CreateVersion(_stream(chunks(model_id, data, **kwargs)))  # type: ignore[arg-type]
+    return reply.version_info
+
+
+async def version_data(r: RunningRegistry, model_id: str, number: int) -> list[bytes]:
+    request = mr.RetrieveVersionDataRequest(model_id=model_id, version_number=number)
+    return [reply.data_chunk async for reply in r.stub.RetrieveVersionData(request)]
+
+
+async def infos(r: RunningRegistry, model_id: str, numbers: list[int] | None = None, count: int = 0,
+                handle: str = "") -> tuple[list[int], str]:  # fmt: skip
+    reply = await r.stub.RetrieveVersionInfos(
+        mr.RetrieveVersionInfosRequest(
+            model_id=model_id, version_numbers=numbers or [], versions_count=count, version_handle=handle
+        )
+    )
+    return [info.version_number for info in reply.version_infos], reply.next_version_handle
+
+
+async def expect_error(code: grpc.StatusCode, call: object) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call  # type: ignore[misc]
+    assert error.value.code() == code, error.value.details()
+    return error.value.details() or ""
+
+
+async def test_models_are_created_updated_listed_and_deleted(registry: RunningRegistry) -> None:
+    for model_id in ("foo", "bar", "baz"):
+        await create_model(registry, model_id, owner=model_id)
+    await create_model(registry, "foo", owner="someone else")
+    reply = await registry.stub.RetrieveModels(mr.RetrieveModelsRequest())
+    assert [m.model_id for m in reply.model_infos] == ["bar", "baz", "foo"]
+    assert dict(reply.model_infos[2].user_data) == {"owner": "someone else"}
+    assert reply.next_model_handle == "3"
+    page = await registry.stub.RetrieveModels(mr.RetrieveModelsRequest(models_count=2, model_handle="1"))
+    assert [m.model_id for m in page.model_infos] == ["baz", "foo"] and page.next_model_handle == "3"
+    chosen = await registry.stub.RetrieveModels(mr.RetrieveModelsRequest(model_ids=["foo", "bar"]))
+    assert [m.model_id for m in chosen.model_infos] == ["foo", "bar"]
+    await expect_error(
+        grpc.StatusCode.NOT_FOUND, registry.stub.RetrieveModels(mr.RetrieveModelsRequest(model_ids=["nope"]))
+    )
+    await expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        registry.stub.RetrieveModels(mr.RetrieveModelsRequest(model_handle="x")),
+    )
+    await registry.stub.DeleteModel(mr.DeleteModelRequest(model_id="bar"))
+    await expect_error(
+        grpc.StatusCode.NOT_FOUND, registry.stub.DeleteModel(mr.DeleteModelRequest(model_id="bar"))
+    )
+    await expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT, registry.stub.CreateOrUpdateModel(mr.CreateOrUpdateModelRequest())
+    )
+
+
+async def test_versions_are_numbered_from_one_and_their_data_streams_back(registry: RunningRegistry) -> None:
+    await create_model(registry, "m")
+    small = b"hello"
+    big = secrets.token_bytes(5 * 1024 * 1024 + 17)
+    first = await create_version(registry, "m", small, hash_=digest(small))
+    second = await create_version(registry, "m", big, archived=False)
+    empty = await create_version(registry, "m", b"")
+    assert [first.version_number, second.version_number, empty.version_number] == [1, 2, 3]
+    assert (second.data_size, second.data_hash, second.archived) == (len(big), digest(big), False)
+    assert dict(first.user_data) == {"k": "v"} and first.creation_timestamp > 0
+    assert b"".join(await version_data(registry, "m", 1)) == small
+    big_chunks = await version_data(registry, "m", 2)
+    assert b"".join(big_chunks) == big and [len(c) for c in big_chunks[:-1]] == [CHUNK, CHUNK]
+    assert await version_data(registry, "m", -1) == [b""]  # one empty chunk for no data
+    assert b"".join(await version_data(registry, "m", -3)) == small
+    for bad in (0, 4, -4):
+        await expect_error(grpc.StatusCode.NOT_FOUND, version_data(registry, "m", bad))
+    await expect_error(grpc.StatusCode.NOT_FOUND, version_data(registry, "nope", -1))
+
+
+async def test_rejected_uploads_leave_no_version(registry: RunningRegistry) -> None:
+    await create_model(registry, "m")
+    data = secrets.token_bytes(3 * 1024 * 1024)
+    cases = [
+        (chunks("m", data, size=len(data) + 1), grpc.StatusCode.INVALID_ARGUMENT),
+        (chunks("m", data, size=len(data) - 1), grpc.StatusCode.INVALID_ARGUMENT),
+        (chunks("m", data, hash_=digest(b"other")), grpc.StatusCode.INVALID_ARGUMENT),
+        (chunks("m", data)[1:], grpc.StatusCode.INVALID_ARGUMENT),  # a body first
+        ([], grpc.StatusCode.INVALID_ARGUMENT),  # an empty stream
+        (chunks("m", data) + chunks("m", b"x")[:1], grpc.StatusCode.INVALID_ARGUMENT),  # a second header
+        (chunks("unknown", data), grpc.StatusCode.NOT_FOUND),
+    ]
+    for messages, code in cases:
+        await expect_error(code, registry.stub.CreateVersion(_stream(messages)))  # type: ignore[arg-type]
+    assert await infos(registry, "m") == ([], "0")
+    assert (await create_version(registry, "m", data)).version_number == 1  # no gap
+
+
+async def test_version_infos_paging_as_the_reference(registry: RunningRegistry) -> None:
+    await create_model(registry, "m")
+    for _ in range(10):
+        await create_version(registry, "m", b"x")
+    assert await infos(registry, "m", count=5) == ([1, 2, 3, 4, 5], "6")
+    assert await infos(registry, "m", handle="7") == ([7, 8, 9, 10], "11")
+    assert await infos(registry, "m", handle="11") == ([], "11")
+    assert await infos(registry, "m", numbers=[1]) == ([1], "2")
+    assert await infos(registry, "m", numbers=[-1]) == ([10], "11")
+    assert await infos(registry, "m", numbers=[-2, 5]) == ([9, 5], "6")
+    await expect_error(grpc.StatusCode.NOT_FOUND, infos(registry, "m", numbers=[28]))
+    await expect_error(grpc.StatusCode.NOT_FOUND, infos(registry, "nope"))
+    await expect_error(grpc.StatusCode.INVALID_ARGUMENT, infos(registry, "m", handle="-1"))
+
+
+async def test_transient_versions_are_evicted_least_recently_used_first(
+    registry_factory: RegistryFactory,
+) -> None:
+    async with registry_factory("--cache_max_items", "2") as registry:
+        await create_model(registry, "m")
+        await create_version(registry, "m", b"archived")
+        for i in range(2):
+            await create_version(registry, "m", f"transient {i}".encode(), archived=False)
+        await version_data(registry, "m", 2)  # v2 is now more recently used than v3
+        await create_version(registry, "m", b"transient 2", archived=False)
+        assert (await infos(registry, "m"))[0] == [1, 2, 4]
+    async with registry_factory("--cache_max_items", "2") as registry:  # both kinds survive a restart
+        assert (await infos(registry, "m"))[0] == [1, 2, 4]
+        assert b"".join(await version_data(registry, "m", 4)) == b"transient 2"
+        assert (await create_version(registry, "m", b"next")).version_number == 5
+
+
+async def test_concurrent_uploads_get_distinct_consecutive_numbers(registry_factory: RegistryFactory) -> None:
+    async with registry_factory() as first, registry_factory() as second:
+        await create_model(first, "m")
+        uploads = [create_version(r, "m", secrets.token_bytes(1000)) for r in (first, second) * 6]
+        numbers = sorted(info.version_number for info in await asyncio.gather(*uploads))
+        assert numbers == list(range(1, 13))
+
+
+async def test_version_update_sends_the_latest_then_each_new_version(
+    registry_factory: RegistryFactory,
+) -> None:
+    async with registry_factory() as first, registry_factory() as second:
+        await create_model(first, "m")
+        await expect_error(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            first.stub.VersionUpdate(mr.VersionUpdateRequest(model_id="nope")).read(),
+        )
+        await create_version(first, "m", b"1")
+        await create_version(first, "m", b"2")
+        updates = second.stub.VersionUpdate(mr.VersionUpdateRequest(model_id="m"))
+        assert (await asyncio.wait_for(updates.read(), 5)).version_info.version_number == 2
+        await create_version(first, "m", b"3", archived=False)  # through the other replica
+        assert (await asyncio.wait_for(updates.read(), 2)).version_info.version_number == 3
+        updates.cancel()
+
+
+async def test_deleted_models_blobs_are_collected(
+    registry: RunningRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry_core, "GARBAGE_GRACE_S", 0.0)
+    await create_model(registry, "m")
+    for _ in range(3):
+        await create_version(registry, "m", b"data")
+    record = await registry.service.registry.resolve("m", 1)
+    await registry.stub.DeleteModel(mr.DeleteModelRequest(model_id="m"))
+    await expect_error(grpc.StatusCode.NOT_FOUND, infos(registry, "m"))
+    assert await registry.service.registry.collect_garbage() == 3
+    with pytest.raises(BlobNotFound):
+        _ = [chunk async for chunk in registry.service.blobs.read(record.blob_key, 1024)]
+    await create_model(registry, "m")  # a deleted model id can be created again, from version 1
+    assert (await create_version(registry, "m", b"again")).version_number == 1
