@@ -268,3 +268,47 @@ async def test_deleted_models_blobs_are_collected(
         _ = [chunk async for chunk in registry.service.blobs.read(record.blob_key, 1024)]
     await create_model(registry, "m")  # a deleted model id can be created again, from version 1
     assert (await create_version(registry, "m", b"again")).version_number == 1
+
+
+async def test_hot_versions_are_read_once_and_never_stale(registry: RunningRegistry) -> None:
+    blobs = registry.service.blobs
+    reads = 0
+    original_read = blobs.read
+
+    def counting_read(key: str, chunk_size: int) -> AsyncIterator[bytes]:
+        nonlocal reads
+        reads += 1
+        return original_read(key, chunk_size)
+
+    registry.service.blobs.read = counting_read  # type: ignore[method-assign]
+    await create_model(registry, "hot")
+    data = secrets.token_bytes(3 * 1024 * 1024)
+    await create_version(registry, "hot", data)
+    downloads = await asyncio.gather(*(version_data(registry, "hot", 1) for _ in range(20)))
+    assert all(b"".join(chunks) == data for chunks in downloads)
+    assert reads == 1
+    # The same model id and number after a deletion is other data: it is read anew.
+    await registry.stub.DeleteModel(mr.DeleteModelRequest(model_id="hot"))
+    await create_model(registry, "hot")
+    await create_version(registry, "hot", b"new data")
+    assert b"".join(await version_data(registry, "hot", 1)) == b"new data"
+    assert reads == 2
+
+
+async def test_version_update_streams_of_a_model_share_one_watch(registry: RunningRegistry) -> None:
+    await create_model(registry, "w")
+    await create_version(registry, "w", b"1")
+    streams = [registry.stub.VersionUpdate(mr.VersionUpdateRequest(model_id="w")) for _ in range(10)]
+    firsts = await asyncio.wait_for(asyncio.gather(*(stream.read() for stream in streams)), 5)
+    assert {reply.version_info.version_number for reply in firsts} == {1}
+    assert list(registry.service.registry._watches) == ["w"]
+    await create_version(registry, "w", b"2")
+    seconds = await asyncio.wait_for(asyncio.gather(*(stream.read() for stream in streams)), 5)
+    assert {reply.version_info.version_number for reply in seconds} == {2}
+    for stream in streams:
+        stream.cancel()
+    for _ in range(50):  # the last stream gone, its watch stops
+        if not registry.service.registry._watches:
+            break
+        await asyncio.sleep(0.05)
+    assert registry.service.registry._watches == {}

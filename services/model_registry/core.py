@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from services.model_registry.blobstore import BlobStore, BlobStoreError
+from services.model_registry.hot_versions import HotVersions
 from services.model_registry.store import (
     ModelInfo,
     RegistryStore,
@@ -80,12 +82,14 @@ class ModelRegistry:
         *,
         cache_max_items: int,
         chunk_size: int,
+        data_cache_bytes: int = 0,
     ) -> None:
         self._store = store
         self._blobs = blobs
         self.cache_max_items = cache_max_items
         self.chunk_size = chunk_size
-        self._created = asyncio.Condition()
+        self._hot = HotVersions(data_cache_bytes)
+        self._watches: dict[str, _ModelWatch] = {}
         self._gc_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -168,8 +172,9 @@ class ModelRegistry:
         if info is None:  # the model was deleted meanwhile; the blob is collected as garbage
             raise NotFound(f'no model "{header.model_id}" found')
         log.debug("version created", model_id=info.model_id, version=info.version_number, size=size)
-        async with self._created:
-            self._created.notify_all()
+        watch = self._watches.get(info.model_id)
+        if watch is not None:
+            watch.wake.set()
         if not info.archived:
             evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
             if evicted:
@@ -212,6 +217,13 @@ class ModelRegistry:
         """The version's data in chunks of `chunk_size` (one empty chunk for no data)."""
         if not record.info.archived:
             await self._store.touch(record.info.model_id, record.info.version_number, time.time_ns())
+        if self._hot.accepts(record.info.data_size):
+            data = await self._hot.get(
+                record.blob_key, lambda: self._blobs.read(record.blob_key, self.chunk_size)
+            )
+            for start in range(0, len(data), self.chunk_size):
+                yield data[start : start + self.chunk_size]
+            return
         sent = False
         async for chunk in self._blobs.read(record.blob_key, self.chunk_size):
             sent = True
@@ -222,26 +234,34 @@ class ModelRegistry:
     async def version_updates(self, model_id: str) -> AsyncIterator[VersionInfo]:
         """The latest version at once (if any), then every newer one, until the caller stops.
 
-        Versions created in this process wake the stream at once; those created through other
-        replicas are seen within VERSION_POLL_S.
+        One watch per model serves every stream of this process: it is woken at once by versions
+        created here, and polls the database every VERSION_POLL_S for those created through
+        other replicas. It stops with its last stream.
         """
-        latest = await self._store.latest_number(model_id)
-        if latest is None:
+        if await self._store.latest_number(model_id) is None:
             raise NotFound(f"unknown model id [{model_id}]")
-        sent = 0
-        while True:
-            if latest is None:
-                return  # the model was deleted
-            if latest > sent:
+        watch = self._watches.get(model_id)
+        if watch is None:
+            watch = self._watches[model_id] = _ModelWatch(self._store, model_id)
+        watch.streams += 1
+        try:
+            sent = 0
+            while True:
+                async with watch.changed:
+                    await watch.changed.wait_for(functools.partial(watch.has_news, sent))
+                    latest = watch.latest
+                if latest is None:
+                    return  # the model was deleted
                 for number in range(sent + 1, latest + 1) if sent else [latest]:
                     record = await self._store.get_version(model_id, number)
                     if record is not None:  # evicted or deleted meanwhile: skipped
                         yield record.info
                 sent = latest
-            async with self._created:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._created.wait(), VERSION_POLL_S)
-            latest = await self._store.latest_number(model_id)
+        finally:
+            watch.streams -= 1
+            if watch.streams == 0:
+                del self._watches[model_id]
+                await watch.stop()
 
     # ---- garbage ----
 
@@ -268,6 +288,45 @@ class ModelRegistry:
             except Exception as error:  # keep collecting after a storage hiccup
                 log.warning("garbage collection failed", error=str(error))
             await asyncio.sleep(GARBAGE_PERIOD_S)
+
+
+class _ModelWatch:
+    """The latest version number of one model, kept current for the streams that follow it."""
+
+    def __init__(self, store: RegistryStore, model_id: str) -> None:
+        self.store = store
+        self.model_id = model_id
+        self.latest: int | None = 0
+        self.changed = asyncio.Condition()
+        self.wake = asyncio.Event()
+        self.streams = 0
+        self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"version-watch-{model_id}")
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                latest = await self.store.latest_number(self.model_id)
+            except Exception as error:  # keep following after a database hiccup
+                log.warning("could not read the latest version", model_id=self.model_id, error=str(error))
+            else:
+                if latest != self.latest:
+                    async with self.changed:
+                        self.latest = latest
+                        self.changed.notify_all()
+                if latest is None:
+                    return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), VERSION_POLL_S)
+            self.wake.clear()
+
+    def has_news(self, sent: int) -> bool:
+        """Whether a stream that sent version `sent` has something new to say."""
+        return self.latest is None or self.latest > sent
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
 
 def _after(seconds: float) -> int:

@@ -41,6 +41,9 @@ OPTIONS: list[Option] = [
            100, f"{ENV_PREFIX}_VERSION_CACHE_MAX_ITEMS", non_negative_int),
     Option("sent_version_chunk_size", "bytes per RetrieveVersionData message", 2 * 1024 * 1024,
            f"{ENV_PREFIX}_SENT_MODEL_VERSION_DATA_CHUNK_SIZE", chunk_size),
+    Option("data_cache_bytes", "memory for the data of hot versions (served without reading the blob "
+           "store; versions over a quarter of it are always streamed); 0 turns it off", 256 * 1024 * 1024,
+           f"{ENV_PREFIX}_DATA_CACHE_BYTES", non_negative_int),
     Option("s3_endpoint", "host:port of an S3-compatible server for the version data (off when unset)",
            None, f"{ENV_PREFIX}_S3_ENDPOINT"),
     Option("s3_bucket", "bucket of the version data (created if missing)", "cogment-model-registry",
@@ -83,6 +86,7 @@ class ModelRegistryService(Service):
             self.blobs,
             cache_max_items=values["cache_max_items"],
             chunk_size=values["sent_version_chunk_size"],
+            data_cache_bytes=values["data_cache_bytes"],
         )
         self.registration = DirectoryRegistration.from_values(values, [directory_pb2.MODEL_REGISTRY_SERVICE])
 
