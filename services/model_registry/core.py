@@ -176,10 +176,18 @@ class ModelRegistry:
         if watch is not None:
             watch.wake.set()
         if not info.archived:
-            evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
-            if evicted:
-                log.debug("transient versions evicted", versions=evicted)
+            await self._evict_transient()
         return info
+
+    async def _evict_transient(self) -> None:
+        # The version is stored: a failure here must not fail its upload (the next one retries).
+        try:
+            evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
+        except Exception as error:
+            log.warning("could not evict transient versions", error=str(error))
+            return
+        if evicted:
+            log.debug("transient versions evicted", versions=evicted)
 
     async def _discard(self, blob_key: str) -> None:
         # The garbage row recorded at the start stays: the collector retries if this fails.
