@@ -65,13 +65,32 @@ class VersionHeader:
     creation_timestamp: int
 
 
+# Offsets, numbers and counts beyond this are past the end of anything stored (and would overflow
+# a 32-bit SQL integer on PostgreSQL): they are clamped here.
+MAX_POSITION = 2**31 - 1
+# Client input quoted in an error message is cut: gRPC refuses trailers over 8 KiB.
+QUOTE_LIMIT = 200
+
+
+def quoted(text: str) -> str:
+    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT] + "…"
+
+
 def parse_handle(handle: str, field: str) -> int:
     """Handles are decimal numbers (empty = 0), as in the reference."""
     if not handle:
         return 0
-    if not handle.isdecimal():
-        raise InvalidRequest(f"Invalid value for `{field}` [{handle}]: expected a non-negative integer")
-    return int(handle)
+    if not (handle.isascii() and handle.isdecimal()):
+        raise InvalidRequest(
+            f"Invalid value for `{field}` [{quoted(handle)}]: expected a non-negative integer"
+        )
+    digits = handle.lstrip("0") or "0"
+    return MAX_POSITION if len(digits) > 10 else min(int(digits), MAX_POSITION)
+
+
+def clamp_count(count: int) -> int | None:
+    """A requested number of items: 0 means no limit."""
+    return min(count, MAX_POSITION) or None
 
 
 class ModelRegistry:
@@ -108,14 +127,14 @@ class ModelRegistry:
 
     async def delete_model(self, model_id: str) -> None:
         if not await self._store.delete_model(model_id, _after(GARBAGE_GRACE_S)):
-            raise NotFound(f'no model "{model_id}" found')
+            raise NotFound(f'no model "{quoted(model_id)}" found')
         log.info("model deleted", model_id=model_id)
 
     async def retrieve_models(
         self, model_ids: Sequence[str], count: int, handle: str
     ) -> tuple[list[ModelInfo], str]:
         offset = parse_handle(handle, "model_handle")
-        limit = count or None
+        limit = clamp_count(count)
         if not model_ids:
             models = await self._store.list_models(offset, limit)
         else:
@@ -123,7 +142,7 @@ class ModelRegistry:
             found = await self._store.get_models(wanted)
             missing = [model_id for model_id in wanted if model_id not in found]
             if missing:
-                raise NotFound(f'no model "{missing[0]}" found')
+                raise NotFound(f'no model "{quoted(missing[0])}" found')
             models = [found[model_id] for model_id in wanted]
         return models, str(offset + len(models))
 
@@ -132,7 +151,7 @@ class ModelRegistry:
     async def create_version(self, header: VersionHeader, chunks: AsyncIterator[bytes]) -> VersionInfo:
         """Store the data streamed in `chunks` as the model's next version."""
         if not await self._store.get_models([header.model_id]):
-            raise NotFound(f'no model "{header.model_id}" found')
+            raise NotFound(f'no model "{quoted(header.model_id)}" found')
         blob_key = f"versions/{model_key(header.model_id)}/{secrets.token_hex(16)}"
         await self._store.record_upload(blob_key, _after(STALE_UPLOAD_S))
         upload = await self._blobs.open_upload(blob_key)
@@ -155,7 +174,7 @@ class ModelRegistry:
         if header.data_hash and header.data_hash != data_hash:
             await self._discard(blob_key)
             raise InvalidRequest(
-                f'received data did not match the expected hash, expected "{header.data_hash}", '
+                f'received data did not match the expected hash, expected "{quoted(header.data_hash)}", '
                 f'received "{data_hash}"'
             )
         now = time.time_ns()
@@ -170,7 +189,7 @@ class ModelRegistry:
             now_ns=now,
         )
         if info is None:  # the model was deleted meanwhile; the blob is collected as garbage
-            raise NotFound(f'no model "{header.model_id}" found')
+            raise NotFound(f'no model "{quoted(header.model_id)}" found')
         log.debug("version created", model_id=info.model_id, version=info.version_number, size=size)
         watch = self._watches.get(info.model_id)
         if watch is not None:
@@ -198,25 +217,25 @@ class ModelRegistry:
         """The version `number` of the model: -1 is the latest, -n the n-th to last."""
         latest = await self._store.latest_number(model_id)
         if latest is None:
-            raise NotFound(f'no model "{model_id}" found')
+            raise NotFound(f'no model "{quoted(model_id)}" found')
         wanted = latest + number + 1 if number < 0 else number
         record = await self._store.get_version(model_id, wanted) if wanted > 0 else None
         if record is None:
-            raise NotFound(f'no version "{number}" for model "{model_id}" found')
+            raise NotFound(f'no version "{number}" for model "{quoted(model_id)}" found')
         return record
 
     async def retrieve_version_infos(
         self, model_id: str, numbers: Sequence[int], count: int, handle: str
     ) -> tuple[list[VersionInfo], str]:
         start = parse_handle(handle, "version_handle")
-        limit = count or None
+        limit = clamp_count(count)
         if numbers:
             # As the reference: the handle is an offset into the requested numbers.
             wanted = numbers[start : None if limit is None else start + limit]
             infos = [(await self.resolve(model_id, number)).info for number in wanted]
         else:
             if await self._store.latest_number(model_id) is None:
-                raise NotFound(f'no model "{model_id}" found')
+                raise NotFound(f'no model "{quoted(model_id)}" found')
             infos = await self._store.list_versions(model_id, max(start, 1), limit)
         next_handle = str(infos[-1].version_number + 1) if infos else str(start)
         return infos, next_handle
@@ -247,7 +266,7 @@ class ModelRegistry:
         other replicas. It stops with its last stream.
         """
         if await self._store.latest_number(model_id) is None:
-            raise NotFound(f"unknown model id [{model_id}]")
+            raise NotFound(f"unknown model id [{quoted(model_id)}]")
         watch = self._watches.get(model_id)
         if watch is None:
             watch = self._watches[model_id] = _ModelWatch(self._store, model_id)

@@ -13,6 +13,8 @@ from services.model_registry.store import VersionInfo
 from shared.api import model_registry_pb2, model_registry_pb2_grpc
 from shared.server import ServiceRuntime, VersionStatusMixin
 
+# Timestamps are stored as signed 64-bit integers (nanoseconds: until the year 2262).
+MAX_TIMESTAMP = 2**63 - 1
 STATUS_BY_ERROR: dict[type[RegistryError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -113,6 +115,10 @@ class ModelRegistryServicer(VersionStatusMixin, model_registry_pb2_grpc.ModelReg
             if not first.header.HasField("version_info"):
                 raise InvalidRequest("the Header has no version_info")
             info = first.header.version_info
+            if info.creation_timestamp > MAX_TIMESTAMP:
+                raise InvalidRequest(
+                    f"creation_timestamp {info.creation_timestamp} is out of range (ns since 1970)"
+                )
             header = VersionHeader(
                 model_id=_model_id(info.model_id),
                 archived=info.archived,
