@@ -16,13 +16,15 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -328,6 +330,43 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
         )
         self._handlers[method] = (handler, new_handler)
         return new_handler
+
+
+# ---- registering servicers ----
+
+_HANDLER_BY_STREAMING = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(
+    server: grpc.aio.Server,
+    service: ServiceDescriptor,
+    servicer: object,
+    response_serializers: Mapping[str, Callable[[Any], bytes]] | None = None,
+) -> None:
+    """Serve every method of `service` with the servicer's method of the same name.
+
+    What the generated `add_*Servicer_to_server` functions do, plus per-method response
+    serializers: a method can then yield bytes it encoded itself (e.g. large data chunks framed
+    without building, then serializing, a message around each).
+    """
+    overrides = response_serializers or {}
+    handlers = {}
+    for method in service.methods:
+        factory = _HANDLER_BY_STREAMING[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=GetMessageClass(method.input_type).FromString,
+            response_serializer=overrides.get(
+                method.name, GetMessageClass(method.output_type).SerializeToString
+            ),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 # ---- the service life cycle ----

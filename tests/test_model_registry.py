@@ -18,6 +18,7 @@ import pytest
 import services.model_registry.core as registry_core
 from services.model_registry.blobstore import BlobNotFound
 from services.model_registry.service import OPTIONS, ModelRegistryService
+from services.model_registry.servicer import data_chunk_frame
 from shared.api import model_registry_pb2 as mr
 from shared.api import model_registry_pb2_grpc
 from shared.config import parse_options
@@ -312,3 +313,11 @@ async def test_version_update_streams_of_a_model_share_one_watch(registry: Runni
             break
         await asyncio.sleep(0.05)
     assert registry.service.registry._watches == {}
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16_383, 16_384, 2 * 1024 * 1024, 4 * 1024 * 1024 - 1])
+def test_data_chunk_frames_are_the_protobuf_encoding(size: int) -> None:
+    chunk = secrets.token_bytes(size)
+    frame = data_chunk_frame(chunk)
+    assert frame == mr.RetrieveVersionDataReplyChunk(data_chunk=chunk).SerializeToString()
+    assert mr.RetrieveVersionDataReplyChunk.FromString(frame).data_chunk == chunk

@@ -988,11 +988,12 @@ def test_huge_handles_are_not_server_errors(fuzz: Harness, method: str, handle: 
     """A valid (decimal) handle past the end is an empty page, as "1000" is (it once overflowed
     the SQL offset, or int() over 4300 digits)."""
     if method == "RetrieveModels":
-        call = fuzz.stub.RetrieveModels(mr.RetrieveModelsRequest(model_handle=handle))
+        outcome = fuzz.run(
+            lambda: unary(fuzz.stub.RetrieveModels(mr.RetrieveModelsRequest(model_handle=handle)))
+        )
     else:
         request = mr.RetrieveVersionInfosRequest(model_id=SEEDED_MODEL, version_handle=handle)
-        call = fuzz.stub.RetrieveVersionInfos(request)
-    outcome = fuzz.run(lambda: unary(call))
+        outcome = fuzz.run(lambda: unary(fuzz.stub.RetrieveVersionInfos(request)))
     assert outcome.code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), outcome.code.name
     fuzz.check_alive()
 
@@ -1020,10 +1021,10 @@ def test_version_handles_and_counts_beyond_int32_are_not_server_errors(
 ) -> None:
     """Past the end: an empty page (or everything), never an error (PostgreSQL once refused them
     as "integer out of range": they are clamped to 32 bits)."""
-    call = fuzz.stub.RetrieveVersionInfos(
-        mr.RetrieveVersionInfosRequest(model_id=SEEDED_MODEL, version_handle=handle, versions_count=count)
+    request = mr.RetrieveVersionInfosRequest(
+        model_id=SEEDED_MODEL, version_handle=handle, versions_count=count
     )
-    outcome = fuzz.run(lambda: unary(call))
+    outcome = fuzz.run(lambda: unary(fuzz.stub.RetrieveVersionInfos(request)))
     assert_ok(outcome)
     expected = [] if handle else list(range(1, len(SEEDED_DATA) + 1))
     assert [info.version_number for info in outcome.replies[0].version_infos] == expected

@@ -11,9 +11,9 @@ import grpc
 
 from services.model_registry.blobstore import BlobStore, LocalBlobStore, S3BlobStore
 from services.model_registry.core import ModelRegistry
-from services.model_registry.servicer import ModelRegistryServicer
+from services.model_registry.servicer import ModelRegistryServicer, add_model_registry_servicer
 from services.model_registry.store import RegistryStore
-from shared.api import directory_pb2, model_registry_pb2, model_registry_pb2_grpc
+from shared.api import directory_pb2, model_registry_pb2
 from shared.config import Option, non_negative_int, parse_bool
 from shared.db import Database
 from shared.logging import get_logger
@@ -101,9 +101,7 @@ class ModelRegistryService(Service):
         self.registry.start()
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
-        model_registry_pb2_grpc.add_ModelRegistrySPServicer_to_server(
-            ModelRegistryServicer(self.registry, runtime), server
-        )
+        add_model_registry_servicer(server, ModelRegistryServicer(self.registry, runtime))
 
     async def on_serving(self, port: int) -> None:
         await self.registration.start(port)
