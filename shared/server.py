@@ -31,10 +31,10 @@ from grpc_reflection.v1alpha import reflection
 
 from shared import metrics
 from shared.api import common_pb2
-from shared.config import Option, parse_bool, port_number, positive_float
+from shared.config import Option, parse_bool, parse_options, port_number, positive_float
 from shared.db import DEFAULT_DATA_DIR, default_database_url
 from shared.load import LoadMonitor
-from shared.logging import get_logger, logging_options
+from shared.logging import configure_logging, get_logger, logging_options
 from shared.version import COGMENT_API_VERSION, PACKAGE_VERSION
 
 log = get_logger("shared.server")
@@ -330,6 +330,24 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
         )
         self._handlers[method] = (handler, new_handler)
         return new_handler
+
+
+# ---- entry points ----
+
+
+def run_service_main(
+    options: Sequence[Option],
+    service_class: Callable[[dict[str, Any]], Service],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+) -> int:
+    """What `python -m services.<name>` does: read the flags, set up logging, serve until a signal."""
+    values = parse_options(options, argv, prog=prog, description=description)
+    configure_logging(values["log_level"], values["log_format"], values["log_file"])
+    asyncio.run(serve(service_class(values)))
+    return 0
 
 
 # ---- registering servicers ----
