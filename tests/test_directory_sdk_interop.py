@@ -11,7 +11,6 @@ what the SDK sends to a directory.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.services import RunningService, start_service
-from tests.interop.sdk_env import PROJECT_ROOT
+from tests.interop.sdk_env import PROJECT_ROOT, no_proxy_env, sdk_script_env
 
 SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_directory_script.py"
 SCRIPT_TIMEOUT = 240  # seconds; the script bounds itself at 120 s
@@ -32,27 +31,6 @@ SDK_PROPS = {"__registration_source": "PythonSDK-Implicit", "__version": "2.10.1
 
 # Building the SDK venv in a fresh clone downloads a few wheels: allow more than the default.
 pytestmark = pytest.mark.timeout(1200)
-
-
-def _no_proxy_env() -> dict[str, str]:
-    """gRPC honours http(s)_proxy: keep loopback traffic away from any proxy."""
-    env = {}
-    for var in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
-        current = os.environ.get(var, "")
-        env[var] = ",".join(x for x in (current, "127.0.0.1", "localhost") if x)
-    return env
-
-
-def _sdk_env() -> dict[str, str]:
-    """Environment of the SDK script: no inherited Cogment settings, nothing from our venv."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("COGMENT_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-    }
-    env.update(_no_proxy_env())
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
 
 
 # Directory configurations the SDK is run against.  "health_checked" makes the directory
@@ -77,7 +55,7 @@ def directory_service(
     """OUR directory as a subprocess (``python -m services.directory``) on a fresh SQLite file."""
     work = tmp_path_factory.mktemp(f"sdk-interop-directory-{directory_config}")
     args = ["--database_url", f"sqlite+aiosqlite:///{work / 'd.db'}", *DIRECTORY_CONFIGS[directory_config]]
-    with start_service("services.directory", args, env=_no_proxy_env(), log_dir=work) as service:
+    with start_service("services.directory", args, env=no_proxy_env(), log_dir=work) as service:
         yield service
 
 
@@ -91,7 +69,7 @@ def sdk_report(
         proc = subprocess.run(
             [str(sdk_python), str(SCRIPT), directory_service.endpoint, "all"],
             cwd=workdir,
-            env=_sdk_env(),
+            env=sdk_script_env(),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

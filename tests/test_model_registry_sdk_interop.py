@@ -12,7 +12,6 @@ import base64
 import hashlib
 import itertools
 import json
-import os
 import pathlib
 import subprocess
 import time
@@ -22,34 +21,13 @@ from typing import Any
 import pytest
 
 from tests.helpers.services import RunningService, start_service
-from tests.interop.sdk_env import PROJECT_ROOT
+from tests.interop.sdk_env import PROJECT_ROOT, no_proxy_env, sdk_script_env
 
 SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_model_registry_script.py"
 SCRIPT_TIMEOUT = 150  # seconds; the script bounds itself at 90 s
 
 # Building the SDK venv in a fresh clone downloads a few wheels: allow more than the default.
 pytestmark = pytest.mark.timeout(1200)
-
-
-def _no_proxy_env() -> dict[str, str]:
-    """gRPC honours http(s)_proxy: keep loopback traffic away from any proxy."""
-    env = {}
-    for var in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
-        current = os.environ.get(var, "")
-        env[var] = ",".join(x for x in (current, "127.0.0.1", "localhost") if x)
-    return env
-
-
-def _sdk_env() -> dict[str, str]:
-    """Environment of the SDK script: no inherited Cogment settings, nothing from our venv."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("COGMENT_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-    }
-    env.update(_no_proxy_env())
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
 
 
 def _b64sha(data: bytes) -> str:
@@ -61,7 +39,7 @@ def registry_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runni
     """OUR model registry as a subprocess on a fresh SQLite file and blob directory."""
     tmp = tmp_path_factory.mktemp("sdk-interop-model-registry")
     args = ["--database_url", f"sqlite+aiosqlite:///{tmp}/r.db", "--archive_dir", str(tmp / "blobs")]
-    with start_service("services.model_registry", args, env=_no_proxy_env(), log_dir=tmp) as service:
+    with start_service("services.model_registry", args, env=no_proxy_env(), log_dir=tmp) as service:
         yield service
 
 
@@ -73,7 +51,7 @@ def _run_script(
         proc = subprocess.run(
             [str(sdk_python), str(SCRIPT), service.endpoint, scenario],
             cwd=workdir,
-            env=_sdk_env(),
+            env=sdk_script_env(),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

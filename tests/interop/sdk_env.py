@@ -180,3 +180,24 @@ def ensure_sdk_python(venv: pathlib.Path | None = None) -> pathlib.Path:
 if __name__ == "__main__":  # manual use: python tests/interop/sdk_env.py
     print(ensure_sdk_python())
     sys.exit(0)
+
+
+def no_proxy_env() -> dict[str, str]:
+    """gRPC honours http(s)_proxy: keep loopback traffic away from any proxy."""
+    env = {}
+    for var in ("no_proxy", "NO_PROXY", "no_grpc_proxy"):
+        current = os.environ.get(var, "")
+        env[var] = ",".join(x for x in (current, "127.0.0.1", "localhost") if x)
+    return env
+
+
+def sdk_script_env() -> dict[str, str]:
+    """Environment of the SDK script: no inherited Cogment settings, nothing from our venv."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("COGMENT_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+    }
+    env.update(no_proxy_env())
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
