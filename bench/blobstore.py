@@ -112,6 +112,8 @@ class RepeatingReader:
             pieces.append(piece)
             self._offset += len(piece)
             n -= len(piece)
+        if not pieces:
+            return b""  # at the end
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 

@@ -1091,14 +1091,24 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def orchestrate(argv: Sequence[str] | None) -> int:
-    args = parse_args(argv)
+    return run_benchmark(parse_args(argv), "directory", run, print_summary)
+
+
+def run_benchmark(
+    args: argparse.Namespace,
+    name: str,
+    run: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    print_summary: Callable[[dict[str, Any]], None],
+) -> int:
+    """Run one benchmark in a work directory of its own: stop its processes whatever happens,
+    keep its logs when it fails (or with --keep), print the summary and the JSON report."""
 
     def terminate(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGHUP, terminate)
-    workdir = Path(tempfile.mkdtemp(prefix="cogment-bench-directory-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"cogment-bench-{name}-"))
     try:
         report = run(args, workdir)
     except BenchError as error:

@@ -47,20 +47,15 @@ import asyncio
 import base64
 import contextlib
 import hashlib
-import json
 import os
 import resource
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, BinaryIO, cast
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +65,8 @@ if str(PROJECT_ROOT) not in sys.path:  # run as a script: `tests` and `bench` ar
 import grpc  # noqa: E402
 from minio import Minio  # noqa: E402
 
-from bench.directory import BenchError, Child, cpu_seconds, pin  # noqa: E402
+from bench.blobstore import RepeatingReader  # noqa: E402
+from bench.directory import BenchError, Child, cpu_seconds, pin, run_benchmark  # noqa: E402
 from services.model_registry.blobstore import DEFAULT_PART_SIZE  # noqa: E402
 from shared.api import model_registry_pb2 as mr  # noqa: E402
 from shared.api import model_registry_pb2_grpc  # noqa: E402
@@ -90,28 +86,6 @@ PHASES = ("registry_upload", "direct_upload", "registry_download", "direct_downl
 
 
 # ---- data ----
-
-
-class RepeatingReader:
-    """A file-like source of `size` bytes: `block` over and over."""
-
-    def __init__(self, block: bytes, size: int) -> None:
-        self._block = block
-        self._size = size
-        self._offset = 0
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._size - self._offset if n < 0 else min(n, self._size - self._offset)
-        pieces = []
-        while n > 0:
-            start = self._offset % len(self._block)
-            piece = self._block[start : start + n]
-            pieces.append(piece)
-            self._offset += len(piece)
-            n -= len(piece)
-        if not pieces:
-            return b""
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def chunks_of(block: bytes, size: int, chunk_size: int) -> Iterator[bytes]:
@@ -597,33 +571,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-
-    def terminate(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGHUP, terminate)
-    workdir = Path(tempfile.mkdtemp(prefix="cogment-bench-model-registry-"))
-    try:
-        report = run(args, workdir)
-    except BenchError as error:
-        print(f"benchmark failed: {error}", file=sys.stderr)
-        print(f"(log kept in {workdir})", file=sys.stderr)
-        args.keep = True
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        Child.stop_all()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print_summary(report)
-    if args.keep:
-        print(f"log and database kept in {workdir}", file=sys.stderr)
-    print(json.dumps(report, separators=(",", ":")))
-    return 0
+    return run_benchmark(parse_args(argv), "model-registry", run, print_summary)
 
 
 if __name__ == "__main__":
