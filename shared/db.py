@@ -28,7 +28,6 @@ from shared.logging import get_logger
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
-COMPILED_READS_CACHE_SIZE = 256
 # Any constant works: it only has to be the same for every replica running migrations.
 MIGRATION_LOCK_ID = 0x636F676D656E74
 
@@ -151,27 +150,6 @@ def _deliver(outcomes: list[tuple[Any, Any, BaseException | None]]) -> None:
             future.set_result(result)
 
 
-class _CompiledRead:
-    """A read statement compiled once to SQLite's SQL, run straight on the driver's cursor:
-    the reader thread holds the GIL for microseconds per query instead of SQLAlchemy's
-    per-execution work (the values are plain text and integers, which need no conversion)."""
-
-    def __init__(self, statement: Executable, dialect: Any) -> None:
-        self.statement = statement
-        self._compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
-        self._sql = self._compiled.string
-        self._names = self._compiled.positiontup or []
-
-    def fetch(self, connection: Connection, parameters: dict[str, Any] | None) -> list[Any]:
-        values = self._compiled.construct_params(parameters)
-        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        try:
-            cursor.execute(self._sql, [values[name] for name in self._names])
-            return list(cursor.fetchall())
-        finally:
-            cursor.close()
-
-
 def _in_transaction(work: Callable[[Connection], T]) -> Callable[[Connection], T]:
     def run(connection: Connection) -> T:
         with connection.begin():
@@ -208,7 +186,6 @@ class Database:
         # is a round trip that a lone SELECT does not need. On SQLite they go to a reader thread
         # (see _SqliteReader); WAL lets it read alongside the writer.
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._compiled_reads: dict[int, _CompiledRead] = {}
         self._sqlite_reader: _SqliteThread | None = None
         self._sqlite_writer: _SqliteThread | None = None
         if self.is_sqlite:
@@ -249,15 +226,6 @@ class Database:
             connection = await connection.execution_options(sqlite_immediate=True)
             async with connection.begin():
                 yield connection
-
-    def _sqlite_compiled(self, statement: Executable) -> _CompiledRead:
-        # Keyed by identity: statements built once (the hot ones) compile once.
-        cached = self._compiled_reads.get(id(statement))
-        if cached is None or cached.statement is not statement:
-            cached = self._compiled_reads[id(statement)] = _CompiledRead(statement, self.engine.dialect)
-            while len(self._compiled_reads) > COMPILED_READS_CACHE_SIZE:
-                self._compiled_reads.pop(next(iter(self._compiled_reads)))
-        return cached
 
     async def run_write(self, work: Callable[[Connection], T]) -> T:
         """Run `work` (synchronous SQLAlchemy code) in one write transaction.

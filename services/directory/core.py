@@ -14,7 +14,8 @@ from prometheus_client import Counter
 
 from services.directory.health import HealthChecker
 from services.directory.model import COGMENT, CheckTarget, Entry, Inquiry, Registration
-from services.directory.store import DirectoryStore, sha256_hex
+from services.directory.store import DirectoryStore
+from shared.digest import sha256_hex
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import json
 import secrets
 import time
@@ -42,6 +41,7 @@ from services.directory.model import (
     Registration,
 )
 from shared.db import Database
+from shared.digest import pair_digest, sha256_hex
 from shared.schema import directory_service_properties as properties_table
 from shared.schema import directory_services as services
 from shared.schema import directory_settings as settings
@@ -68,16 +68,6 @@ _ENTRY_COLUMNS = (
     services.c.failed_checks,
     services.c.last_check_at,
 )
-
-
-def sha256_hex(value: str) -> str:
-    return hashlib.sha256(value.encode("utf-8")).hexdigest()
-
-
-def pair_digest(name: str, value: str) -> str:
-    """What property matching compares: equal exactly when both name and value are equal (the
-    name's length prefix keeps `("ab", "c")` and `("a", "bc")` apart)."""
-    return sha256_hex(f"{len(name)}:{name}={value}")
 
 
 def canonical_properties(properties: dict[str, str]) -> str:

@@ -6,7 +6,6 @@ state lives in the database, so several replicas on one database serve the same 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from shared.db import Database
+from shared.digest import sha256_hex
 from shared.schema import registry_blob_garbage as garbage
 from shared.schema import registry_models as models
 from shared.schema import registry_versions as versions
@@ -28,8 +28,8 @@ EVICTION_LOCK_ID = 0x7265675F65766963
 
 
 def model_key(model_id: str) -> str:
-    """What models are keyed by: ids have any length, and long text cannot be indexed."""
-    return hashlib.sha256(model_id.encode("utf-8")).hexdigest()
+    """What models are keyed by (see shared.digest)."""
+    return sha256_hex(model_id)
 
 
 def _canonical_json(user_data: dict[str, str]) -> str:
