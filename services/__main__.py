@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-SERVICES = ["services.directory", "services.model_registry"]
+SERVICES = ["services.directory", "services.model_registry", "services.datastore"]
 
 
 def main() -> int:

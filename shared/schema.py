@@ -12,6 +12,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -143,4 +144,59 @@ registry_blob_garbage = Table(
     Column("blob_key", String(255), primary_key=True),
     Column("delete_after", BigInteger, nullable=False),
     Index(None, "delete_after"),
+)
+
+# ---- Trial Datastore ----
+
+datastore_trials = Table(
+    "datastore_trials",
+    metadata,
+    # Creation order: RetrieveTrials handles are positions in it. Never reused (AUTOINCREMENT on
+    # SQLite), so a trial deleted and created again comes after pagers that passed its old place.
+    Column("trial_seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    # SHA-256 of the trial id (see shared.digest); the id itself is kept unindexed.
+    Column("trial_key", String(64), nullable=False, unique=True),
+    Column("trial_id", Text, nullable=False),
+    Column("user_id", Text, nullable=False),
+    # Serialized cogmentAPI.TrialParams.
+    Column("params", LargeBinary, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    # Maintained by every write of samples: the number of rows in datastore_samples.
+    Column("samples_count", BigInteger, nullable=False, default=0),
+    # State of the last in-sync sample; out-of-sync samples leave it alone.
+    Column("last_state", SmallInteger, nullable=False, default=0),
+    # An ENDED sample was stored (never undone).
+    Column("ended", Boolean, nullable=False, default=False),
+    # The ingestion stream closed: live readers stop once they have every sample, ENDED or not.
+    Column("closed", Boolean, nullable=False, default=False),
+    sqlite_autoincrement=True,
+)
+
+# One row per trial property, matched through its (name, value) digest.
+datastore_trial_properties = Table(
+    "datastore_trial_properties",
+    metadata,
+    Column(
+        "trial_seq",
+        BigInteger().with_variant(Integer, "sqlite"),
+        ForeignKey("datastore_trials.trial_seq", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("pair_digest", String(64), primary_key=True),
+    Index(None, "pair_digest", "trial_seq"),
+)
+
+datastore_samples = Table(
+    "datastore_samples",
+    metadata,
+    Column(
+        "trial_seq",
+        BigInteger().with_variant(Integer, "sqlite"),
+        ForeignKey("datastore_trials.trial_seq", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    # Arrival order within the trial, from 0: samples are replayed in it.
+    Column("sample_seq", BigInteger, primary_key=True, autoincrement=False),
+    # Serialized cogmentAPI.StoredTrialSample, replayed as is when no filter applies.
+    Column("data", LargeBinary, nullable=False),
 )

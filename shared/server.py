@@ -387,6 +387,27 @@ def add_servicer(
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+def field_one_frame(payload: bytes) -> bytes:
+    """The encoding of a message whose field 1 (bytes, or an embedded message) holds `payload`.
+
+    Streams of large or many replies yield these (with `pre_encoded` as the method's response
+    serializer): building a message around a payload, then serializing it, copies the payload
+    twice more on the event loop, and that bounds the stream's speed. The wire bytes are the same.
+    """
+    length = len(payload)
+    prefix = bytearray(b"\x0a")
+    while length > 0x7F:
+        prefix.append((length & 0x7F) | 0x80)
+        length >>= 7
+    prefix.append(length)
+    return bytes(prefix) + payload
+
+
+def pre_encoded(frame: bytes) -> bytes:
+    """Response serializer of methods that yield encoded messages."""
+    return frame
+
+
 # ---- the service life cycle ----
 
 

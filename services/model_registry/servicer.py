@@ -11,7 +11,7 @@ import grpc
 from services.model_registry.core import InvalidRequest, ModelRegistry, NotFound, RegistryError, VersionHeader
 from services.model_registry.store import VersionInfo
 from shared.api import model_registry_pb2
-from shared.server import ServiceRuntime, VersionStatusMixin, add_servicer
+from shared.server import ServiceRuntime, VersionStatusMixin, add_servicer, field_one_frame, pre_encoded
 
 # Timestamps are stored as signed 64-bit integers (nanoseconds: until the year 2262).
 MAX_TIMESTAMP = 2**63 - 1
@@ -34,24 +34,8 @@ def version_info_message(info: VersionInfo) -> model_registry_pb2.ModelVersionIn
 
 
 def data_chunk_frame(chunk: bytes) -> bytes:
-    """`RetrieveVersionDataReplyChunk(data_chunk=chunk)` encoded: field 1, length-delimited.
-
-    Building the message, then serializing it, copies each multi-megabyte chunk twice more on the
-    event loop, which then bounds the download speed; the wire bytes are the same.
-    """
-    if not chunk:
-        return b""  # proto3 leaves out an empty field
-    length = len(chunk)
-    prefix = bytearray(b"\x0a")
-    while length > 0x7F:
-        prefix.append((length & 0x7F) | 0x80)
-        length >>= 7
-    prefix.append(length)
-    return bytes(prefix) + chunk
-
-
-def _identity(frame: bytes) -> bytes:
-    return frame
+    """`RetrieveVersionDataReplyChunk(data_chunk=chunk)` encoded (see `field_one_frame`)."""
+    return field_one_frame(chunk) if chunk else b""  # proto3 leaves out an empty field
 
 
 def add_model_registry_servicer(server: grpc.aio.Server, servicer: ModelRegistryServicer) -> None:
@@ -59,7 +43,7 @@ def add_model_registry_servicer(server: grpc.aio.Server, servicer: ModelRegistry
         server,
         model_registry_pb2.DESCRIPTOR.services_by_name["ModelRegistrySP"],
         servicer,
-        response_serializers={"RetrieveVersionData": _identity},
+        response_serializers={"RetrieveVersionData": pre_encoded},
     )
 
 

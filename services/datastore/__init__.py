@@ -1,0 +1,1 @@
+"""Trial Datastore: datalog ingestion, stored trials, replay and live streams of samples."""

@@ -1,0 +1,312 @@
+"""The Trial Datastore's rules: trials, ingestion of their samples, listing, replay and live reading.
+
+Ingestion (the orchestrator's datalog, or AddSample) converts and serializes each sample, then
+hands it to the `SampleBatcher`; its future resolves once the sample is committed, and only then
+is it acknowledged. Readers replay a trial's stored samples in arrival order and follow it live
+through the change feed, until the trial has ended (an ENDED sample) or its ingestion stream
+closed, and they have every sample stored by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from services.datastore.batcher import SampleBatcher
+from services.datastore.errors import InvalidRequest, NotFound
+from services.datastore.samples import DatalogConverter, SampleFilter
+from services.datastore.store import TRIALS_KEY, DatastoreStore, SampleAppend, TrialRecord, samples_key
+from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
+from shared.logging import get_logger
+from shared.notify import ChangeFeed
+
+# Samples read per query while replaying.
+READ_BATCH = 500
+# Unacknowledged samples one ingestion stream may have in flight: past it, the stream stops
+# reading (gRPC flow control then slows the sender) until commits catch up.
+MAX_IN_FLIGHT = 2000
+# The user id of trials ingested without a `user-id` header (the reference's constant).
+DEFAULT_DATALOG_USER_ID = "log exporter server"
+ENDED = common_pb2.ENDED
+UNKNOWN_STATE = common_pb2.UNKNOWN
+
+log = get_logger("datastore.core")
+T = TypeVar("T")
+
+
+def quoted(text: str) -> str:
+    """`text` for an error message: client input can be huge."""
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def checked_text(value: str, what: str) -> str:
+    # PostgreSQL text cannot hold NUL characters.
+    if "\x00" in value:
+        raise InvalidRequest(f"{what} cannot contain NUL characters")
+    return value
+
+
+def checked_trial_id(trial_id: str) -> str:
+    if not trial_id:
+        raise InvalidRequest("empty trial id")
+    return checked_text(trial_id, "trial ids")
+
+
+def parse_handle(handle: str) -> int:
+    if not handle:
+        return 0
+    try:
+        value = int(handle)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidRequest(
+            f'Invalid value for `trial_handle` "{quoted(handle)}": expected a decimal position'
+        )
+    return value
+
+
+@dataclass
+class _StateChange:
+    last_state: int | None
+    ended: bool
+
+
+def _state_change(state: int, out_of_sync: bool = False) -> _StateChange:
+    """What a sample changes in its trial: out-of-sync samples (late rewards of past ticks, with no
+    state) change nothing, and nothing un-ends a trial."""
+    if out_of_sync or state == UNKNOWN_STATE:
+        return _StateChange(None, False)
+    return _StateChange(state, state == ENDED)
+
+
+class Ingestion:
+    """One ingestion stream of one trial."""
+
+    def __init__(
+        self, datastore: TrialDatastore, trial: TrialRecord, converter: DatalogConverter | None
+    ) -> None:
+        self._datastore = datastore
+        self.trial = trial
+        self._converter = converter
+        self._saw_ended = trial.ended
+
+    def ingest_datalog(self, samples: AsyncIterator[datalog_pb2.DatalogSample]) -> AsyncIterator[None]:
+        """Store the orchestrator's samples; yields once per sample, in order, once committed."""
+        return self._acknowledged(samples, self._add_datalog)
+
+    def ingest_stored(
+        self, samples: AsyncIterator[trial_datastore_pb2.StoredTrialSample]
+    ) -> AsyncIterator[None]:
+        """Store samples already in the stored form (AddSample); yields as `ingest_datalog`."""
+        return self._acknowledged(samples, self._add_stored)
+
+    async def _acknowledged(
+        self, samples: AsyncIterator[T], add: Callable[[T], asyncio.Future[bool]]
+    ) -> AsyncIterator[None]:
+        # Reading runs ahead of the commits (that is what lets many samples share a transaction),
+        # at most MAX_IN_FLIGHT samples ahead.
+        in_flight: asyncio.Queue[asyncio.Future[bool] | Exception | None] = asyncio.Queue(MAX_IN_FLIGHT)
+
+        async def read() -> None:
+            try:
+                async for sample in samples:
+                    await in_flight.put(add(sample))
+            except Exception as error:  # a bad sample, or the stream broke: after what came before
+                await in_flight.put(error)
+                return
+            await in_flight.put(None)
+
+        reader = asyncio.get_running_loop().create_task(read(), name=f"ingest-{self.trial.trial_seq}")
+        try:
+            while (item := await in_flight.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                if not await item:
+                    raise NotFound(f'trial "{quoted(self.trial.trial_id)}" was deleted')
+                yield None
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    def _add_datalog(self, sample: datalog_pb2.DatalogSample) -> asyncio.Future[bool]:
+        assert self._converter is not None
+        stored = self._converter.convert(sample)
+        change = _state_change(stored.state, sample.info.out_of_sync)
+        return self._submit(stored.SerializeToString(), change)
+
+    def _add_stored(self, sample: trial_datastore_pb2.StoredTrialSample) -> asyncio.Future[bool]:
+        if sample.trial_id and sample.trial_id != self.trial.trial_id:
+            raise InvalidRequest(
+                "'AddSampleRequest.TrialSample.trial_id' should be left undefined or should match the "
+                "header metadata 'trial-id'"
+            )
+        sample.trial_id = self.trial.trial_id
+        checked_text(sample.user_id, "user ids")
+        return self._submit(sample.SerializeToString(), _state_change(sample.state))
+
+    def _submit(self, data: bytes, change: _StateChange) -> asyncio.Future[bool]:
+        self._saw_ended = self._saw_ended or change.ended
+        return self._datastore.batcher.submit(
+            SampleAppend(self.trial.trial_seq, [data], change.last_state, change.ended)
+        )
+
+    async def close(self) -> None:
+        """The datalog stream closed: live readers stop once they have every sample."""
+        if not self._saw_ended:
+            log.warning(
+                "trial ingestion closed before the trial ended: it is marked interrupted",
+                trial_id=self.trial.trial_id,
+            )
+        await self._datastore.batcher.submit(SampleAppend(self.trial.trial_seq, [], close=True))
+
+
+class TrialDatastore:
+    def __init__(self, store: DatastoreStore, feed: ChangeFeed, batcher: SampleBatcher) -> None:
+        self.store = store
+        self.feed = feed
+        self.batcher = batcher
+
+    # ---- trials ----
+
+    async def add_trial(self, trial_id: str, user_id: str, params: common_pb2.TrialParams) -> None:
+        await self._upsert(trial_id, user_id, params, reopen=False)
+
+    async def _upsert(
+        self, trial_id: str, user_id: str, params: common_pb2.TrialParams, *, reopen: bool
+    ) -> TrialRecord:
+        checked_trial_id(trial_id)
+        checked_text(user_id, "user ids")
+        data = params.SerializeToString()
+        seq = await self.store.upsert_trial(
+            trial_id, user_id, data, params.properties, time.time_ns(), reopen=reopen
+        )
+        return TrialRecord(seq, trial_id, user_id, data, 0, UNKNOWN_STATE, False, False)
+
+    async def delete_trials(self, trial_ids: Sequence[str]) -> int:
+        deleted = await self.store.delete_trials(trial_ids)
+        if deleted:
+            log.debug("trials deleted", count=len(deleted))
+        return len(deleted)
+
+    async def retrieve_trials(
+        self,
+        trial_ids: Sequence[str],
+        properties: Mapping[str, str],
+        timeout_ms: int,
+        count: int,
+        handle: str,
+    ) -> tuple[list[TrialRecord], str]:
+        """Trials in creation order from `handle`, at most `count` (0: all).
+
+        With `timeout_ms`, waits up to that long for more matching trials until `count` is
+        reached, or every requested trial was found. The next handle is the position after the
+        last returned trial when the count was reached, else the end of what was looked at.
+        """
+        after = parse_handle(handle)
+        wanted_ids = list(dict.fromkeys(trial_ids))
+        limit: int | None = count or None
+        if wanted_ids and (limit is None or limit > len(wanted_ids)):
+            limit = len(wanted_ids)  # return as soon as every requested trial is there
+        deadline = time.monotonic() + timeout_ms / 1000
+        found: list[TrialRecord] = []
+        with self.feed.watch([TRIALS_KEY]) as watch:
+            while True:
+                # Reading the end first: trials created from now on come after it, for the next call.
+                end = max(after, await self.store.last_trial_seq())
+                remaining = None if limit is None else limit - len(found)
+                batch = await self.store.list_trials(after, end, wanted_ids, properties, remaining)
+                found.extend(batch)
+                if limit is not None and len(found) >= limit:
+                    return found, str(found[-1].trial_seq)
+                after = end
+                left = deadline - time.monotonic()
+                if timeout_ms == 0 or left <= 0:
+                    return found, str(end)
+                await watch.wait(left)
+
+    # ---- ingestion ----
+
+    async def open_datalog(self, trial_id: str, user_id: str, params: common_pb2.TrialParams) -> Ingestion:
+        """Start ingesting the orchestrator's datalog of a trial (created, or updated if it exists)."""
+        trial = await self._upsert(trial_id, user_id or DEFAULT_DATALOG_USER_ID, params, reopen=True)
+        return Ingestion(self, trial, DatalogConverter(trial_id, user_id, params))
+
+    async def open_samples(self, trial_id: str) -> Ingestion:
+        """Start adding stored samples to an existing trial (AddSample)."""
+        found = await self.store.get_trials([checked_trial_id(trial_id)])
+        if trial_id not in found:
+            raise NotFound(f'no trial "{quoted(trial_id)}" found')
+        return Ingestion(self, found[trial_id], None)
+
+    # ---- reading samples ----
+
+    async def samples(
+        self,
+        trial_ids: Sequence[str],
+        actor_names: Sequence[str],
+        actor_classes: Sequence[str],
+        actor_implementations: Sequence[str],
+        fields: Sequence[int],
+    ) -> AsyncIterator[bytes]:
+        """Serialized StoredTrialSamples of the trials, stored ones then live ones, each trial's in
+        order, until every trial has ended or its ingestion closed."""
+        wanted_ids = list(dict.fromkeys(trial_ids))
+        found = await self.store.get_trials(wanted_ids)
+        missing = [trial_id for trial_id in wanted_ids if trial_id not in found]
+        if missing:
+            raise NotFound(f'no trial "{quoted(missing[0])}" found')
+        readers = [
+            _TrialReader(
+                found[trial_id],
+                SampleFilter(
+                    common_pb2.TrialParams.FromString(found[trial_id].params),
+                    actor_names,
+                    actor_classes,
+                    actor_implementations,
+                    fields,
+                ),
+            )
+            for trial_id in wanted_ids
+        ]
+        with self.feed.watch(samples_key(reader.trial.trial_seq) for reader in readers) as watch:
+            while readers:
+                progressed = False
+                for reader in list(readers):
+                    batch = await self.store.read_samples(reader.trial.trial_seq, reader.next, READ_BATCH)
+                    reader.next += len(batch)
+                    for data in batch:
+                        yield reader.filtered(data)
+                    if len(batch) == READ_BATCH:
+                        progressed = True
+                        continue
+                    progress = await self.store.progress(reader.trial.trial_seq)
+                    if progress is None:
+                        raise NotFound(f'trial "{quoted(reader.trial.trial_id)}" was deleted')
+                    if reader.next < progress.samples_count:
+                        progressed = True  # more arrived since the read
+                    elif progress.ended or progress.closed:
+                        if not progress.ended:
+                            log.debug("trial ingestion was interrupted", trial_id=reader.trial.trial_id)
+                        readers.remove(reader)
+                if readers and not progressed:
+                    await watch.wait()
+
+
+class _TrialReader:
+    def __init__(self, trial: TrialRecord, sample_filter: SampleFilter) -> None:
+        self.trial = trial
+        self.next = 0
+        self._filter = None if sample_filter.keeps_everything else sample_filter
+
+    def filtered(self, data: bytes) -> bytes:
+        if self._filter is None:
+            return data
+        sample = trial_datastore_pb2.StoredTrialSample.FromString(data)
+        self._filter.apply(sample)
+        return sample.SerializeToString()

@@ -1,0 +1,77 @@
+"""The Trial Datastore service: its options and its life cycle on the shared server bootstrap."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from services.datastore.batcher import DEFAULT_MAX_SAMPLES, SampleBatcher
+from services.datastore.core import TrialDatastore
+from services.datastore.servicer import add_datastore_servicers
+from services.datastore.store import DatastoreStore
+from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2
+from shared.config import Option, positive_int
+from shared.db import Database
+from shared.logging import get_logger
+from shared.notify import ChangeFeed
+from shared.registration import DirectoryRegistration, registration_options
+from shared.server import Service, ServiceRuntime, database_url, service_options
+
+DEFAULT_PORT = 9003
+ENV_PREFIX = "COGMENT_TRIAL_DATASTORE"
+CHANGE_CHANNEL = "cogment_datastore"
+
+OPTIONS: list[Option] = [
+    *service_options(ENV_PREFIX, DEFAULT_PORT),
+    Option("batch_max_samples", "ingested samples written per transaction at most (samples arriving "
+           "while one commits share the next)", DEFAULT_MAX_SAMPLES, f"{ENV_PREFIX}_BATCH_MAX_SAMPLES",
+           positive_int),
+    *registration_options("TRIAL_DATASTORE"),
+]  # fmt: skip
+
+log = get_logger("datastore")
+
+
+class DatastoreService(Service):
+    name = "datastore"
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self.database = Database(database_url(values, "datastore"))
+        self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
+        self.store = DatastoreStore(self.database, self.feed)
+        self.batcher = SampleBatcher(self.store, max_samples=values["batch_max_samples"])
+        self.datastore = TrialDatastore(self.store, self.feed, self.batcher)
+        self.registration = DirectoryRegistration.from_values(
+            values, [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE]
+        )
+
+    @property
+    def grpc_service_names(self) -> Sequence[str]:
+        return [
+            trial_datastore_pb2.DESCRIPTOR.services_by_name["TrialDatastoreSP"].full_name,
+            datalog_pb2.DESCRIPTOR.services_by_name["DatalogSP"].full_name,
+            datalog_pb2.DESCRIPTOR.services_by_name["LogExporterSP"].full_name,
+        ]
+
+    async def start(self, runtime: ServiceRuntime) -> None:
+        log.info("opening storage", database=self.database.display_url)
+        await self.database.migrate()
+        await self.feed.start()
+        self.batcher.start()
+
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+        add_datastore_servicers(server, runtime, self.datastore)
+
+    async def on_serving(self, port: int) -> None:
+        await self.registration.start(port)
+
+    async def on_shutdown(self) -> None:
+        await self.registration.stop()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()  # what was received is written
+        await self.feed.stop()
+        await self.database.close()

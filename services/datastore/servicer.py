@@ -1,0 +1,219 @@
+"""The Trial Datastore's gRPC layer: TrialDatastoreSP and the two datalog ingestion services.
+
+`DatalogSP` (bidirectional, what the 2.x orchestrator calls) and `LogExporterSP` (client stream,
+the API reference's name) share one ingestion: the first message holds the trial parameters, the
+next ones samples. DatalogSP acknowledges each message once it is committed; LogExporterSP replies
+once everything is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.datastore.core import Ingestion, TrialDatastore
+from services.datastore.errors import DatastoreError, InvalidRequest, NotFound
+from services.datastore.store import TrialRecord
+from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
+from shared.server import ServiceRuntime, VersionStatusMixin, add_servicer, field_one_frame, pre_encoded
+
+# StoredTrialInfo.samples_count is 32-bit.
+MAX_SAMPLES_COUNT = 2**32 - 1
+STATUS_BY_ERROR: dict[type[DatastoreError], grpc.StatusCode] = {
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+DatalogInput = datalog_pb2.RunTrialDatalogInput | datalog_pb2.LogExporterSampleRequest
+
+
+async def _abort(context: Any, error: DatastoreError) -> None:
+    await context.abort(STATUS_BY_ERROR.get(type(error), grpc.StatusCode.INVALID_ARGUMENT), str(error))
+
+
+def _header_values(context: Any, key: str) -> list[str]:
+    return [value for name, value in (context.invocation_metadata() or ()) if name == key]
+
+
+def _single_trial_id(context: Any) -> str:
+    values = _header_values(context, "trial-id")
+    if len(values) != 1:
+        raise InvalidRequest(
+            "Missing expected 'trial-id' header metadata defining the id of the trial to add"
+            if not values
+            else f"Expected exactly one 'trial-id' header metadata, got {len(values)}"
+        )
+    return values[0]
+
+
+def trial_info_message(record: TrialRecord) -> trial_datastore_pb2.StoredTrialInfo:
+    return trial_datastore_pb2.StoredTrialInfo(
+        trial_id=record.trial_id,
+        last_state=record.last_state,  # type: ignore[arg-type]
+        user_id=record.user_id,
+        samples_count=min(record.samples_count, MAX_SAMPLES_COUNT),
+        params=common_pb2.TrialParams.FromString(record.params),
+    )
+
+
+async def _datalog_samples(requests: AsyncIterator[DatalogInput]) -> AsyncIterator[datalog_pb2.DatalogSample]:
+    async for request in requests:
+        if request.WhichOneof("msg") != "sample":
+            raise InvalidRequest('body message is not of type "cogment.DatalogSample"')
+        yield request.sample
+
+
+async def _stored_samples(
+    requests: AsyncIterator[trial_datastore_pb2.AddSampleRequest],
+) -> AsyncIterator[trial_datastore_pb2.StoredTrialSample]:
+    async for request in requests:
+        if not request.HasField("trial_sample"):
+            raise InvalidRequest("AddSampleRequest without a trial_sample")
+        yield request.trial_sample
+
+
+def add_datastore_servicers(
+    server: grpc.aio.Server, runtime: ServiceRuntime, datastore: TrialDatastore
+) -> None:
+    add_servicer(
+        server,
+        trial_datastore_pb2.DESCRIPTOR.services_by_name["TrialDatastoreSP"],
+        TrialDatastoreServicer(datastore, runtime),
+        response_serializers={"RetrieveSamples": pre_encoded},
+    )
+    ingestion = DatalogIngestion(datastore)
+    add_servicer(
+        server, datalog_pb2.DESCRIPTOR.services_by_name["DatalogSP"], DatalogServicer(ingestion, runtime)
+    )
+    add_servicer(
+        server,
+        datalog_pb2.DESCRIPTOR.services_by_name["LogExporterSP"],
+        LogExporterServicer(ingestion, runtime),
+    )
+
+
+class TrialDatastoreServicer(VersionStatusMixin):
+    def __init__(self, datastore: TrialDatastore, runtime: ServiceRuntime) -> None:
+        self.datastore = datastore
+        self.runtime = runtime
+
+    async def RetrieveTrials(
+        self, request: trial_datastore_pb2.RetrieveTrialsRequest, context: Any
+    ) -> trial_datastore_pb2.RetrieveTrialsReply:
+        try:
+            records, handle = await self.datastore.retrieve_trials(
+                list(request.trial_ids),
+                dict(request.properties),
+                request.timeout,
+                request.trials_count,
+                request.trial_handle,
+            )
+        except DatastoreError as error:
+            await _abort(context, error)
+        return trial_datastore_pb2.RetrieveTrialsReply(
+            trial_infos=[trial_info_message(record) for record in records], next_trial_handle=handle
+        )
+
+    async def RetrieveSamples(
+        self, request: trial_datastore_pb2.RetrieveSamplesRequest, context: Any
+    ) -> AsyncIterator[bytes]:
+        """Yields encoded RetrieveSampleReply messages: stored samples go out without re-encoding."""
+        try:
+            async for data in self.datastore.samples(
+                list(request.trial_ids),
+                list(request.actor_names),
+                list(request.actor_classes),
+                list(request.actor_implementations),
+                list(request.selected_sample_fields),
+            ):
+                yield field_one_frame(data)
+        except DatastoreError as error:
+            await _abort(context, error)
+
+    async def AddTrial(
+        self, request: trial_datastore_pb2.AddTrialRequest, context: Any
+    ) -> trial_datastore_pb2.AddTrialReply:
+        try:
+            await self.datastore.add_trial(_single_trial_id(context), request.user_id, request.trial_params)
+        except DatastoreError as error:
+            await _abort(context, error)
+        return trial_datastore_pb2.AddTrialReply()
+
+    async def AddSample(
+        self, request_iterator: AsyncIterator[trial_datastore_pb2.AddSampleRequest], context: Any
+    ) -> trial_datastore_pb2.AddSamplesReply:
+        try:
+            ingestion = await self.datastore.open_samples(_single_trial_id(context))
+            async for _ in ingestion.ingest_stored(_stored_samples(request_iterator)):
+                pass
+        except DatastoreError as error:
+            await _abort(context, error)
+        return trial_datastore_pb2.AddSamplesReply()
+
+    async def DeleteTrials(
+        self, request: trial_datastore_pb2.DeleteTrialsRequest, context: Any
+    ) -> trial_datastore_pb2.DeleteTrialsReply:
+        await self.datastore.delete_trials(list(request.trial_ids))
+        return trial_datastore_pb2.DeleteTrialsReply()
+
+
+class DatalogIngestion:
+    """RunTrialDatalog of both ingestion services: yields once per input message, once committed."""
+
+    def __init__(self, datastore: TrialDatastore) -> None:
+        self.datastore = datastore
+
+    async def run(self, requests: AsyncIterator[DatalogInput], context: Any) -> AsyncIterator[None]:
+        ids = _header_values(context, "trial-id")
+        if not ids:
+            raise InvalidRequest('DatalogServer.RunTrialDatalog: missing required header "trial-id"')
+        users = _header_values(context, "user-id")
+        first = await anext(requests, None)
+        if first is None:
+            return  # nothing was sent: nothing to do
+        if first.WhichOneof("msg") != "trial_params":
+            raise InvalidRequest(
+                'DatalogServer.RunTrialDatalog: initial message is not of type "cogment.TrialParams"'
+            )
+        ingestion: Ingestion = await self.datastore.open_datalog(
+            ids[0], users[0] if users else "", first.trial_params
+        )
+        try:
+            yield None
+            async for _ in ingestion.ingest_datalog(_datalog_samples(requests)):
+                yield None
+        finally:
+            await ingestion.close()
+
+
+class DatalogServicer(VersionStatusMixin):
+    def __init__(self, ingestion: DatalogIngestion, runtime: ServiceRuntime) -> None:
+        self.ingestion = ingestion
+        self.runtime = runtime
+
+    async def RunTrialDatalog(
+        self, request_iterator: AsyncIterator[datalog_pb2.RunTrialDatalogInput], context: Any
+    ) -> AsyncIterator[datalog_pb2.RunTrialDatalogOutput]:
+        try:
+            async for _ in self.ingestion.run(request_iterator, context):
+                yield datalog_pb2.RunTrialDatalogOutput()
+        except DatastoreError as error:
+            await _abort(context, error)
+
+
+class LogExporterServicer(VersionStatusMixin):
+    def __init__(self, ingestion: DatalogIngestion, runtime: ServiceRuntime) -> None:
+        self.ingestion = ingestion
+        self.runtime = runtime
+
+    async def RunTrialDatalog(
+        self, request_iterator: AsyncIterator[datalog_pb2.LogExporterSampleRequest], context: Any
+    ) -> datalog_pb2.LogExporterSampleReply:
+        try:
+            async for _ in self.ingestion.run(request_iterator, context):
+                pass
+        except DatastoreError as error:
+            await _abort(context, error)
+        return datalog_pb2.LogExporterSampleReply()

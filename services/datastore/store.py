@@ -1,0 +1,313 @@
+"""SQL storage of the Trial Datastore: trials, their properties and their samples.
+
+Samples are stored serialized (`StoredTrialSample` bytes) in arrival order per trial, and the
+trial row keeps what reads need without counting or scanning: `samples_count`, `last_state` and
+whether the trial ended or its ingestion closed. Every write notifies the change feed (`trial:<seq>`
+for samples and deletions, `trials` for created or updated trials), so live readers in every
+replica look again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    Integer,
+    SmallInteger,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import ColumnElement
+
+from shared.db import Database
+from shared.digest import pair_digest, sha256_hex
+from shared.notify import ChangeFeed
+from shared.schema import datastore_samples as samples
+from shared.schema import datastore_trial_properties as properties
+from shared.schema import datastore_trials as trials
+
+# Trial ids looked up per statement at most (SQLite caps the number of bound parameters).
+KEYS_PER_STATEMENT = 500
+TRIALS_KEY = "trials"
+
+
+def trial_key(trial_id: str) -> str:
+    """What trials are keyed by (see shared.digest)."""
+    return sha256_hex(trial_id)
+
+
+def samples_key(trial_seq: int) -> str:
+    """The change-feed key of a trial's samples (and of its deletion)."""
+    return f"trial:{trial_seq}"
+
+
+@dataclass
+class TrialRecord:
+    trial_seq: int
+    trial_id: str
+    user_id: str
+    params: bytes
+    samples_count: int
+    last_state: int
+    ended: bool
+    closed: bool
+
+
+@dataclass
+class TrialProgress:
+    samples_count: int
+    ended: bool
+    closed: bool
+
+
+@dataclass
+class SampleAppend:
+    """Samples of one trial to store after its current ones, and what they change in the trial."""
+
+    trial_seq: int
+    samples: list[bytes]
+    # State of the last in-sync sample that has one; None leaves the trial's state alone.
+    last_state: int | None = None
+    ended: bool = False
+    # The ingestion stream closed after these samples.
+    close: bool = False
+
+
+_TRIAL_COLUMNS = (
+    trials.c.trial_seq,
+    trials.c.trial_id,
+    trials.c.user_id,
+    trials.c.params,
+    trials.c.samples_count,
+    trials.c.last_state,
+    trials.c.ended,
+    trials.c.closed,
+)
+
+
+def _trial_record(row: Sequence[Any]) -> TrialRecord:
+    seq, trial_id, user_id, params, count, state, ended, closed = row
+    return TrialRecord(
+        int(seq), trial_id, user_id, bytes(params), int(count), int(state), bool(ended), bool(closed)
+    )
+
+
+# Hot statements, built once.
+_GET_TRIALS = select(*_TRIAL_COLUMNS).where(trials.c.trial_key.in_(bindparam("keys", expanding=True)))
+_PROGRESS = select(trials.c.samples_count, trials.c.ended, trials.c.closed).where(
+    trials.c.trial_seq == bindparam("seq")
+)
+_READ_SAMPLES = (
+    select(samples.c.data)
+    .where(samples.c.trial_seq == bindparam("seq"), samples.c.sample_seq >= bindparam("first"))
+    .order_by(samples.c.sample_seq)
+    .limit(bindparam("limit", type_=Integer))
+)
+_LAST_SEQ = select(func.max(trials.c.trial_seq))
+# The row lock of this UPDATE serializes appends to one trial across replicas: sample numbers
+# are taken from the count it returns.
+_APPEND = (
+    update(trials)
+    .where(trials.c.trial_seq == bindparam("seq"))
+    .values(
+        samples_count=trials.c.samples_count + bindparam("added", type_=Integer),
+        last_state=func.coalesce(bindparam("state", type_=SmallInteger), trials.c.last_state),
+        ended=or_(trials.c.ended, bindparam("ended", type_=Boolean)),
+        closed=or_(trials.c.closed, bindparam("close", type_=Boolean)),
+    )
+    .returning(trials.c.samples_count)
+)
+_INSERT_SAMPLES = insert(samples)
+_DELETE_PROPERTIES = delete(properties).where(properties.c.trial_seq == bindparam("seq"))
+_INSERT_PROPERTIES = insert(properties)
+
+
+class DatastoreStore:
+    def __init__(self, database: Database, feed: ChangeFeed) -> None:
+        self.db = database
+        self.feed = feed
+        dialect: Any = postgresql if database.is_postgresql else sqlite
+        upsert = dialect.insert(trials)
+        # `reopen`: a new ingestion stream starts, live readers wait for it again.
+        self._upsert_trial = upsert.on_conflict_do_update(
+            index_elements=[trials.c.trial_key],
+            set_={
+                "trial_id": upsert.excluded.trial_id,
+                "user_id": upsert.excluded.user_id,
+                "params": upsert.excluded.params,
+                "closed": and_(trials.c.closed, ~bindparam("reopen", type_=Boolean)),
+            },
+        ).returning(trials.c.trial_seq)
+
+    # ---- trials ----
+
+    async def upsert_trial(
+        self,
+        trial_id: str,
+        user_id: str,
+        params: bytes,
+        trial_properties: Mapping[str, str],
+        now_ns: int,
+        *,
+        reopen: bool = False,
+    ) -> int:
+        """Create the trial, or replace its user id and parameters (keeping its samples).
+        Returns its `trial_seq`."""
+        row = {
+            "trial_key": trial_key(trial_id),
+            "trial_id": trial_id,
+            "user_id": user_id,
+            "params": params,
+            "created_at": now_ns,
+            "samples_count": 0,
+            "last_state": 0,
+            "ended": False,
+            "closed": False,
+            "reopen": reopen,
+        }
+        digests = sorted({pair_digest(name, value) for name, value in trial_properties.items()})
+
+        def write(connection: Connection) -> int:
+            seq = int(connection.execute(self._upsert_trial, row).scalar_one())
+            connection.execute(_DELETE_PROPERTIES, {"seq": seq})
+            if digests:
+                connection.execute(
+                    _INSERT_PROPERTIES, [{"trial_seq": seq, "pair_digest": digest} for digest in digests]
+                )
+            self.feed.notify(connection, [TRIALS_KEY, samples_key(seq)])
+            return seq
+
+        seq = await self.db.run_write(write)
+        self.feed.wake([TRIALS_KEY, samples_key(seq)])
+        return seq
+
+    async def get_trials(self, trial_ids: Sequence[str]) -> dict[str, TrialRecord]:
+        found: dict[str, TrialRecord] = {}
+        keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
+        for start in range(0, len(keys), KEYS_PER_STATEMENT):
+            rows = await self.db.fetch(_GET_TRIALS, {"keys": keys[start : start + KEYS_PER_STATEMENT]})
+            for row in rows:
+                record = _trial_record(row)
+                found[record.trial_id] = record
+        return found
+
+    async def last_trial_seq(self) -> int:
+        rows = await self.db.fetch(_LAST_SEQ)
+        return int(rows[0][0] or 0)
+
+    async def list_trials(
+        self,
+        after_seq: int,
+        up_to_seq: int,
+        trial_ids: Sequence[str],
+        trial_properties: Mapping[str, str],
+        limit: int | None,
+    ) -> list[TrialRecord]:
+        """Trials in creation order with `after_seq < trial_seq <= up_to_seq`, among `trial_ids`
+        (any if empty) whose properties include `trial_properties`."""
+        conditions: list[ColumnElement[bool]] = [
+            trials.c.trial_seq > after_seq,
+            trials.c.trial_seq <= up_to_seq,
+        ]
+        for name, value in trial_properties.items():
+            conditions.append(
+                exists().where(
+                    properties.c.trial_seq == trials.c.trial_seq,
+                    properties.c.pair_digest == pair_digest(name, value),
+                )
+            )
+        statement = select(*_TRIAL_COLUMNS).where(*conditions).order_by(trials.c.trial_seq)
+        if not trial_ids:
+            rows = await self.db.fetch(statement if limit is None else statement.limit(limit))
+            return [_trial_record(row) for row in rows]
+        keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
+        found: list[TrialRecord] = []
+        for start in range(0, len(keys), KEYS_PER_STATEMENT):
+            chunk = statement.where(trials.c.trial_key.in_(keys[start : start + KEYS_PER_STATEMENT]))
+            found.extend(_trial_record(row) for row in await self.db.fetch(chunk))
+        found.sort(key=lambda record: record.trial_seq)
+        return found if limit is None else found[:limit]
+
+    async def delete_trials(self, trial_ids: Sequence[str]) -> list[int]:
+        """Delete the trials (with their samples) in one transaction; unknown ids are ignored.
+        Returns the `trial_seq` of those deleted."""
+        keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
+
+        def write(connection: Connection) -> list[int]:
+            deleted: list[int] = []
+            for start in range(0, len(keys), KEYS_PER_STATEMENT):
+                statement = (
+                    delete(trials)
+                    .where(trials.c.trial_key.in_(keys[start : start + KEYS_PER_STATEMENT]))
+                    .returning(trials.c.trial_seq)
+                )
+                deleted.extend(int(seq) for seq in connection.execute(statement).scalars())
+            self.feed.notify(connection, [samples_key(seq) for seq in deleted])
+            return deleted
+
+        deleted = await self.db.run_write(write)
+        self.feed.wake([samples_key(seq) for seq in deleted])
+        return deleted
+
+    # ---- samples ----
+
+    async def append(self, appends: Sequence[SampleAppend]) -> list[int | None]:
+        """Store every append in one transaction. Returns, per append, the number of its first
+        sample in the trial, or None if the trial no longer exists (its samples are dropped)."""
+
+        def write(connection: Connection) -> list[int | None]:
+            firsts: list[int | None] = []
+            for append in appends:
+                count = connection.execute(
+                    _APPEND,
+                    {
+                        "seq": append.trial_seq,
+                        "added": len(append.samples),
+                        "state": append.last_state,
+                        "ended": append.ended,
+                        "close": append.close,
+                    },
+                ).scalar_one_or_none()
+                if count is None:
+                    firsts.append(None)
+                    continue
+                first = int(count) - len(append.samples)
+                if append.samples:
+                    connection.execute(
+                        _INSERT_SAMPLES,
+                        [
+                            {"trial_seq": append.trial_seq, "sample_seq": first + index, "data": data}
+                            for index, data in enumerate(append.samples)
+                        ],
+                    )
+                firsts.append(first)
+            self.feed.notify(connection, [samples_key(append.trial_seq) for append in appends])
+            return firsts
+
+        firsts = await self.db.run_write(write)
+        self.feed.wake([samples_key(append.trial_seq) for append in appends])
+        return firsts
+
+    async def read_samples(self, trial_seq: int, first: int, limit: int) -> list[bytes]:
+        rows = await self.db.fetch(_READ_SAMPLES, {"seq": trial_seq, "first": first, "limit": limit})
+        return [bytes(row[0]) for row in rows]
+
+    async def progress(self, trial_seq: int) -> TrialProgress | None:
+        """How far the trial got; None if it was deleted."""
+        rows = await self.db.fetch(_PROGRESS, {"seq": trial_seq})
+        if not rows:
+            return None
+        count, ended, closed = rows[0]
+        return TrialProgress(int(count), bool(ended), bool(closed))

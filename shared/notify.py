@@ -1,0 +1,164 @@
+"""Change notifications: wake the streams that follow rows when a write changes them.
+
+Keys are short strings naming what changed (`trial:42`, `trials`). A writer calls `notify()`
+inside its transaction and `wake()` once it has committed. Waiters `watch()` keys and re-read
+the tables when woken: a notification only says "look again", the rows stay the truth.
+
+On PostgreSQL `notify()` is a `pg_notify` (delivered to every replica at commit, never for a
+rolled-back transaction) and one connection per process LISTENs on the channel, so streams
+follow writes made through other replicas. On SQLite (one process) the local wake-up is all.
+Waiters also look again every `safety_period` seconds, in case a notification was lost (the
+listening connection is re-established after failures, and wakes everyone when it is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+
+import psycopg
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from shared.db import Database
+from shared.logging import get_logger
+
+# PostgreSQL refuses payloads of 8000 bytes or more.
+MAX_PAYLOAD = 7000
+RECONNECT_DELAYS_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+
+log = get_logger("shared.notify")
+
+_NOTIFY = text("SELECT pg_notify(:channel, :payload)")
+
+
+class Watch:
+    """Keys one waiter follows. `wait()` returns once any of them changed since the last `wait()`
+    (or since the watch began), or after `timeout` seconds."""
+
+    def __init__(self, feed: ChangeFeed, keys: Iterable[str]) -> None:
+        self._feed = feed
+        self.keys = frozenset(keys)
+        self._changed = asyncio.Event()
+
+    def _set(self) -> None:
+        self._changed.set()
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Whether a change was notified (False: the timeout passed first)."""
+        limit = self._feed.safety_period if timeout is None else min(timeout, self._feed.safety_period)
+        try:
+            await asyncio.wait_for(self._changed.wait(), limit)
+            notified = True
+        except asyncio.TimeoutError:
+            notified = False
+        self._changed.clear()
+        return notified
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(
+        self, _type: type[BaseException] | None, _error: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self._feed._forget(self)
+
+
+class ChangeFeed:
+    def __init__(self, database: Database, channel: str, *, safety_period: float = 5.0) -> None:
+        self.database = database
+        self.channel = channel
+        self.safety_period = safety_period
+        self._watches: dict[str, set[Watch]] = {}
+        self._listener: asyncio.Task[None] | None = None
+        self.listening = asyncio.Event()
+
+    async def start(self) -> None:
+        """On PostgreSQL, start listening (returns once the first LISTEN is in place)."""
+        if not self.database.is_postgresql:
+            self.listening.set()
+            return
+        self._listener = asyncio.get_running_loop().create_task(self._listen(), name=f"listen-{self.channel}")
+        await self.listening.wait()
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
+
+    def watch(self, keys: Iterable[str]) -> Watch:
+        """Follow `keys` (use as a context manager, so the watch is forgotten)."""
+        watch = Watch(self, keys)
+        for key in watch.keys:
+            self._watches.setdefault(key, set()).add(watch)
+        return watch
+
+    def _forget(self, watch: Watch) -> None:
+        for key in watch.keys:
+            watchers = self._watches.get(key)
+            if watchers is not None:
+                watchers.discard(watch)
+                if not watchers:
+                    del self._watches[key]
+
+    def wake(self, keys: Iterable[str]) -> None:
+        """Wake this process's watches of `keys` (call after the change committed)."""
+        for key in keys:
+            for watch in self._watches.get(key, ()):
+                watch._set()
+
+    def _wake_all(self) -> None:
+        for watchers in self._watches.values():
+            for watch in watchers:
+                watch._set()
+
+    def notify(self, connection: Connection, keys: Iterable[str]) -> None:
+        """Tell the other replicas, from inside the writing transaction (PostgreSQL only)."""
+        if not self.database.is_postgresql:
+            return
+        for payload in _payloads(keys):
+            connection.execute(_NOTIFY, {"channel": self.channel, "payload": payload})
+
+    async def _listen(self) -> None:
+        conninfo = self.database.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        failures = 0
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as connection:
+                    await connection.execute(f'LISTEN "{self.channel}"')
+                    if failures:
+                        log.info("listening for changes again", channel=self.channel)
+                        self._wake_all()  # changes made meanwhile were not notified
+                    failures = 0
+                    self.listening.set()
+                    async for notification in connection.notifies():
+                        self.wake(notification.payload.split(","))
+            except (psycopg.Error, OSError) as error:
+                delay = RECONNECT_DELAYS_S[min(failures, len(RECONNECT_DELAYS_S) - 1)]
+                failures += 1
+                log.warning(
+                    "lost the change notifications, reconnecting",
+                    channel=self.channel,
+                    error=str(error),
+                    retry_in_s=delay,
+                )
+                self.listening.set()  # start-up must not hang on an unreachable database
+                await asyncio.sleep(delay)
+
+
+def _payloads(keys: Iterable[str]) -> Iterator[str]:
+    """Comma-joined keys, split under PostgreSQL's payload limit."""
+    batch: list[str] = []
+    size = 0
+    for key in dict.fromkeys(keys):
+        if batch and size + len(key) + 1 > MAX_PAYLOAD:
+            yield ",".join(batch)
+            batch, size = [], 0
+        batch.append(key)
+        size += len(key) + 1
+    if batch:
+        yield ",".join(batch)

@@ -1,0 +1,461 @@
+"""Trial Datastore behaviour over real gRPC, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+
+from services.datastore.service import OPTIONS, DatastoreService
+from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
+from shared.api import environment_pb2 as env
+from shared.api import trial_datastore_pb2 as ds
+from shared.config import parse_options
+from tests.conftest import run_in_process
+
+F = ds.StoredTrialSampleField
+
+
+@dataclass
+class RunningDatastore:
+    service: DatastoreService
+    channel: grpc.aio.Channel
+    stub: trial_datastore_pb2_grpc.TrialDatastoreSPStub
+    datalog: datalog_pb2_grpc.DatalogSPStub
+    log_exporter: datalog_pb2_grpc.LogExporterSPStub
+
+
+DatastoreFactory = Callable[..., AbstractAsyncContextManager[RunningDatastore]]
+
+
+def make_datastore_factory(database_url: str) -> DatastoreFactory:
+    @asynccontextmanager
+    async def start(*flags: str) -> AsyncIterator[RunningDatastore]:
+        argv = ["--port", "0", "--bind_address", "127.0.0.1", "--database_url", database_url, *flags]
+        values = parse_options(OPTIONS, argv, prog="test", description="test", environ={})
+        async with (
+            run_in_process(DatastoreService(values)) as service,
+            grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,
+        ):
+            yield RunningDatastore(
+                service,
+                channel,
+                trial_datastore_pb2_grpc.TrialDatastoreSPStub(channel),
+                datalog_pb2_grpc.DatalogSPStub(channel),
+                datalog_pb2_grpc.LogExporterSPStub(channel),
+            )
+
+    return start
+
+
+@pytest.fixture
+def datastore_factory(database_url: str) -> DatastoreFactory:
+    return make_datastore_factory(database_url)
+
+
+@pytest.fixture
+async def datastore(datastore_factory: DatastoreFactory) -> AsyncIterator[RunningDatastore]:
+    async with datastore_factory() as running:
+        yield running
+
+
+# ---- trial data ----
+
+ACTORS = [("alice", "class1", "impl_a"), ("bob", "class1", "impl_b"), ("carol", "class2", "impl_a")]
+
+
+def trial_params(**properties: str) -> common_pb2.TrialParams:
+    return common_pb2.TrialParams(
+        actors=[common_pb2.ActorParams(name=n, actor_class=c, implementation=i) for n, c, i in ACTORS],
+        properties=properties,
+        max_steps=100,
+    )
+
+
+def datalog_sample(
+    tick: int, state: int = common_pb2.RUNNING, *, out_of_sync: bool = False, reward: float | None = None
+) -> datalog_pb2.DatalogSample:
+    sample = datalog_pb2.DatalogSample(
+        info=datalog_pb2.SampleInfo(tick_id=tick, timestamp=1000 + tick, state=state, out_of_sync=out_of_sync)
+    )
+    if not out_of_sync:
+        sample.observations.CopyFrom(
+            env.ObservationSet(observations=[f"obs-{tick}".encode(), b"shared"], actors_map=[0, 1, 1])
+        )
+        sample.actions.extend(
+            common_pb2.Action(content=f"act-{tick}-{a}".encode()) for a in range(len(ACTORS))
+        )
+    if reward is not None:
+        sample.rewards.append(
+            common_pb2.Reward(
+                receiver_name="bob",
+                sources=[
+                    common_pb2.RewardSource(
+                        sender_name="alice", value=reward, confidence=1, user_data=any_pb2.Any(value=b"why")
+                    )
+                ],
+            )
+        )
+    return sample
+
+
+def datalog_inputs(
+    params: common_pb2.TrialParams, samples: Sequence[datalog_pb2.DatalogSample]
+) -> list[datalog_pb2.RunTrialDatalogInput]:
+    return [datalog_pb2.RunTrialDatalogInput(trial_params=params)] + [
+        datalog_pb2.RunTrialDatalogInput(sample=sample) for sample in samples
+    ]
+
+
+def full_trial(ticks: int) -> list[datalog_pb2.DatalogSample]:
+    return [
+        datalog_sample(tick, common_pb2.ENDED if tick == ticks - 1 else common_pb2.RUNNING)
+        for tick in range(ticks)
+    ]
+
+
+async def run_datalog(
+    d: RunningDatastore,
+    trial_id: str,
+    samples: Sequence[datalog_pb2.DatalogSample],
+    params: common_pb2.TrialParams | None = None,
+    user_id: str = "the-user",
+) -> int:
+    """Ingest through DatalogSP; returns the number of acknowledgements."""
+    call = d.datalog.RunTrialDatalog(
+        iter(datalog_inputs(params or trial_params(), samples)),
+        metadata=(("trial-id", trial_id), ("user-id", user_id)),
+    )
+    return len([ack async for ack in call])
+
+
+async def read_samples(
+    d: RunningDatastore, trial_ids: Sequence[str], **filters: object
+) -> list[ds.StoredTrialSample]:
+    call = d.stub.RetrieveSamples(ds.RetrieveSamplesRequest(trial_ids=trial_ids, **filters), timeout=30)
+    return [reply.trial_sample async for reply in call]
+
+
+async def add_trial(d: RunningDatastore, trial_id: str, user_id: str = "u", **properties: str) -> None:
+    await d.stub.AddTrial(
+        ds.AddTrialRequest(user_id=user_id, trial_params=trial_params(**properties)),
+        metadata=(("trial-id", trial_id),),
+    )
+
+
+async def list_trials(d: RunningDatastore, **request: object) -> ds.RetrieveTrialsReply:
+    reply: ds.RetrieveTrialsReply = await d.stub.RetrieveTrials(ds.RetrieveTrialsRequest(**request))
+    return reply
+
+
+# ---- ingestion ----
+
+
+async def test_datalog_acknowledges_every_message_and_stores_the_conversion(
+    datastore: RunningDatastore,
+) -> None:
+    acks = await run_datalog(
+        datastore, "t1", [*full_trial(3)[:2], datalog_sample(2, common_pb2.ENDED, reward=2.5)]
+    )
+    assert acks == 4  # the parameters and three samples
+    stored = await read_samples(datastore, ["t1"])
+    assert [s.tick_id for s in stored] == [0, 1, 2]
+    assert all(s.trial_id == "t1" and s.user_id == "the-user" for s in stored)
+    last = stored[-1]
+    assert last.state == common_pb2.ENDED and last.timestamp == 1002
+    assert [a.actor for a in last.actor_samples] == [0, 1, 2]
+    # Observations stored once, shared through the actors map.
+    assert last.payloads[last.actor_samples[1].observation] == b"shared"
+    assert last.actor_samples[1].observation == last.actor_samples[2].observation
+    assert last.payloads[last.actor_samples[0].action] == b"act-2-0"
+    bob = last.actor_samples[1]
+    assert bob.reward == pytest.approx(2.5)
+    assert bob.received_rewards[0].sender == 0
+    assert last.payloads[bob.received_rewards[0].user_data] == b"why"
+    assert last.actor_samples[0].sent_rewards[0].receiver == 1
+
+    [info] = (await list_trials(datastore)).trial_infos
+    assert info.trial_id == "t1" and info.user_id == "the-user"
+    assert info.last_state == common_pb2.ENDED and info.samples_count == 3
+    assert info.params == trial_params()
+
+
+async def test_log_exporter_replies_once_everything_is_stored(datastore: RunningDatastore) -> None:
+    requests = [
+        datalog_pb2.LogExporterSampleRequest(trial_params=trial_params()),
+        *(datalog_pb2.LogExporterSampleRequest(sample=s) for s in full_trial(5)),
+    ]
+    await datastore.log_exporter.RunTrialDatalog(iter(requests), metadata=(("trial-id", "exported"),))
+    [info] = (await list_trials(datastore, trial_ids=["exported"])).trial_infos
+    assert info.samples_count == 5 and info.last_state == common_pb2.ENDED
+    # No user-id header: the reference's user id for the trial, none for the samples.
+    assert info.user_id == "log exporter server"
+    assert [s.user_id for s in await read_samples(datastore, ["exported"])] == [""] * 5
+
+
+async def test_out_of_sync_samples_are_kept_and_never_change_the_state(datastore: RunningDatastore) -> None:
+    samples = [
+        datalog_sample(0),
+        datalog_sample(1, common_pb2.ENDED),
+        datalog_sample(0, common_pb2.UNKNOWN, out_of_sync=True, reward=1.0),
+    ]
+    await run_datalog(datastore, "late", samples)
+    [info] = (await list_trials(datastore)).trial_infos
+    assert info.last_state == common_pb2.ENDED and info.samples_count == 3
+    stored = await read_samples(datastore, ["late"])
+    assert [(s.tick_id, s.state) for s in stored] == [(0, common_pb2.RUNNING), (1, common_pb2.ENDED), (0, 0)]
+    # The late reward is its own row; the first tick's observations are still there.
+    assert stored[0].actor_samples[0].HasField("observation")
+    assert stored[2].actor_samples[1].reward == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([datalog_pb2.RunTrialDatalogInput(sample=datalog_sample(0))], "initial message"),
+        (
+            datalog_inputs(trial_params(), [datalog_pb2.DatalogSample(observations=env.ObservationSet())]),
+            "info",
+        ),
+        (
+            datalog_inputs(
+                trial_params(),
+                [
+                    datalog_pb2.DatalogSample(
+                        info=datalog_pb2.SampleInfo(), observations=env.ObservationSet(actors_map=[3])
+                    )
+                ],
+            ),
+            "actors_map",
+        ),
+        (
+            [
+                datalog_pb2.RunTrialDatalogInput(trial_params=trial_params()),
+                datalog_pb2.RunTrialDatalogInput(trial_params=trial_params()),
+            ],
+            "body message",
+        ),
+    ],
+)
+async def test_bad_datalog_messages_are_invalid_arguments(
+    datastore: RunningDatastore, messages: list[datalog_pb2.RunTrialDatalogInput], fragment: str
+) -> None:
+    call = datastore.datalog.RunTrialDatalog(iter(messages), metadata=(("trial-id", "bad"),))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in call:
+            pass
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in (raised.value.details() or "")
+
+
+async def test_datalog_without_trial_id_is_rejected(datastore: RunningDatastore) -> None:
+    call = datastore.datalog.RunTrialDatalog(iter(datalog_inputs(trial_params(), [])))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in call:
+            pass
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "trial-id" in (raised.value.details() or "")
+
+
+async def test_samples_acknowledged_before_a_bad_one_are_stored(datastore: RunningDatastore) -> None:
+    bad = datalog_pb2.DatalogSample()  # no info
+    call = datastore.datalog.RunTrialDatalog(
+        iter(datalog_inputs(trial_params(), [datalog_sample(0), datalog_sample(1), bad])),
+        metadata=(("trial-id", "partial"),),
+    )
+    acks = 0
+    with pytest.raises(grpc.aio.AioRpcError):
+        async for _ in call:
+            acks += 1
+    [info] = (await list_trials(datastore)).trial_infos
+    assert acks == 3 and info.samples_count == 2
+    # The stream closed: readers get what is there and end, the trial being interrupted.
+    assert [s.tick_id for s in await read_samples(datastore, ["partial"])] == [0, 1]
+
+
+# ---- AddTrial, AddSample, DeleteTrials ----
+
+
+async def test_add_trial_needs_exactly_one_trial_id(datastore: RunningDatastore) -> None:
+    for metadata in [(), (("trial-id", "a"), ("trial-id", "b")), (("trial-id", ""),)]:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await datastore.stub.AddTrial(ds.AddTrialRequest(), metadata=metadata)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_add_trial_upserts_and_add_sample_appends(datastore: RunningDatastore) -> None:
+    await add_trial(datastore, "manual", user_id="first", kind="a")
+    await add_trial(datastore, "manual", user_id="second", kind="b")
+    samples = [
+        ds.AddSampleRequest(
+            trial_sample=ds.StoredTrialSample(tick_id=t, state=common_pb2.RUNNING, trial_id=tid)
+        )
+        for t, tid in [(0, ""), (1, "manual")]
+    ]
+    await datastore.stub.AddSample(iter(samples), metadata=(("trial-id", "manual"),))
+    [info] = (await list_trials(datastore)).trial_infos
+    assert info.user_id == "second" and info.params.properties == {"kind": "b"}
+    assert info.samples_count == 2 and info.last_state == common_pb2.RUNNING
+    assert (await list_trials(datastore, properties={"kind": "a"})).trial_infos == []
+
+
+async def test_add_sample_checks_trial_and_ids(datastore: RunningDatastore) -> None:
+    sample = ds.AddSampleRequest(trial_sample=ds.StoredTrialSample(tick_id=0))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await datastore.stub.AddSample(iter([sample]), metadata=(("trial-id", "nope"),))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    await add_trial(datastore, "t")
+    for request in [
+        ds.AddSampleRequest(),
+        ds.AddSampleRequest(trial_sample=ds.StoredTrialSample(trial_id="other")),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await datastore.stub.AddSample(iter([request]), metadata=(("trial-id", "t"),))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_delete_trials_and_create_again(datastore: RunningDatastore) -> None:
+    for trial_id in ["a", "b", "c"]:
+        await run_datalog(datastore, trial_id, full_trial(2))
+    await datastore.stub.DeleteTrials(ds.DeleteTrialsRequest(trial_ids=["a", "c", "unknown"]))
+    reply = await list_trials(datastore)
+    assert [i.trial_id for i in reply.trial_infos] == ["b"]
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await read_samples(datastore, ["a"])
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    await run_datalog(datastore, "a", full_trial(1))
+    reply = await list_trials(datastore)
+    assert [(i.trial_id, i.samples_count) for i in reply.trial_infos] == [("b", 2), ("a", 1)]
+
+
+# ---- RetrieveTrials ----
+
+
+async def test_trials_page_in_creation_order(datastore: RunningDatastore) -> None:
+    for index in range(10):
+        await add_trial(datastore, f"trial-{index}", parity=str(index % 2))
+    first = await list_trials(datastore, trials_count=5)
+    assert [i.trial_id for i in first.trial_infos] == [f"trial-{i}" for i in range(5)]
+    assert first.next_trial_handle == "5"
+    second = await list_trials(datastore, trials_count=5, trial_handle=first.next_trial_handle)
+    assert [i.trial_id for i in second.trial_infos] == [f"trial-{i}" for i in range(5, 10)]
+    assert second.next_trial_handle == "10"
+    assert (await list_trials(datastore, trial_handle="10")).trial_infos == []
+    assert (await list_trials(datastore, trial_handle="10")).next_trial_handle == "10"
+    # Requested ids come back in creation order.
+    chosen = await list_trials(datastore, trial_ids=["trial-7", "trial-2", "missing", "trial-4"])
+    assert [i.trial_id for i in chosen.trial_infos] == ["trial-2", "trial-4", "trial-7"]
+    odd = await list_trials(datastore, properties={"parity": "1"}, trials_count=3)
+    assert [i.trial_id for i in odd.trial_infos] == ["trial-1", "trial-3", "trial-5"]
+    assert odd.next_trial_handle == "6"
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await list_trials(datastore, trial_handle="x")
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_retrieve_trials_waits_for_trials_created_later(datastore: RunningDatastore) -> None:
+    async def create_later() -> None:
+        await asyncio.sleep(0.3)
+        for index in range(3):
+            await add_trial(datastore, f"later-{index}")
+
+    started = time.monotonic()
+    creating = asyncio.create_task(create_later())
+    reply = await list_trials(datastore, trials_count=3, timeout=10_000)
+    await creating
+    assert [i.trial_id for i in reply.trial_infos] == ["later-0", "later-1", "later-2"]
+    assert time.monotonic() - started < 5  # returned when the count was reached
+    # Requested ids: returns as soon as they all exist, even with no count.
+    started = time.monotonic()
+    reply = await list_trials(datastore, trial_ids=["later-1", "later-2"], timeout=10_000)
+    assert len(reply.trial_infos) == 2 and time.monotonic() - started < 2
+    # Not there: what exists when the timeout runs out.
+    reply = await list_trials(datastore, trial_ids=["later-0", "never"], timeout=300)
+    assert [i.trial_id for i in reply.trial_infos] == ["later-0"]
+
+
+# ---- RetrieveSamples ----
+
+
+async def test_retrieve_samples_follows_a_live_trial_until_it_ends(datastore: RunningDatastore) -> None:
+    await add_trial(datastore, "live")
+    received: list[int] = []
+
+    async def read() -> None:
+        call = datastore.stub.RetrieveSamples(ds.RetrieveSamplesRequest(trial_ids=["live"]), timeout=30)
+        async for reply in call:
+            received.append(reply.trial_sample.tick_id)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.2)
+    assert not reader.done()
+    await run_datalog(datastore, "live", full_trial(50))
+    await asyncio.wait_for(reader, 10)
+    assert received == list(range(50))
+
+
+async def test_concurrent_trials_and_readers(datastore: RunningDatastore) -> None:
+    trial_ids = [f"c{index}" for index in range(4)]
+    for trial_id in trial_ids:
+        await add_trial(datastore, trial_id)
+    readers = [asyncio.create_task(read_samples(datastore, trial_ids)) for _ in range(5)]
+    await asyncio.sleep(0.1)
+    await asyncio.gather(*(run_datalog(datastore, trial_id, full_trial(200)) for trial_id in trial_ids))
+    for result in await asyncio.gather(*readers):
+        assert len(result) == 800
+        for trial_id in trial_ids:
+            assert [s.tick_id for s in result if s.trial_id == trial_id] == list(range(200))
+
+
+async def test_retrieve_samples_filters(datastore: RunningDatastore) -> None:
+    await run_datalog(datastore, "f", [datalog_sample(0, common_pb2.ENDED, reward=1.0)])
+    [everything] = await read_samples(datastore, ["f"])
+    [by_class] = await read_samples(datastore, ["f"], actor_classes=["class2"])
+    assert [a.actor for a in by_class.actor_samples] == [2]
+    assert len(by_class.payloads) == len(everything.payloads)
+    [by_impl] = await read_samples(
+        datastore, ["f"], actor_implementations=["impl_a"], actor_names=["alice", "bob"]
+    )
+    assert [a.actor for a in by_impl.actor_samples] == [0]
+    [observations] = await read_samples(
+        datastore, ["f"], selected_sample_fields=[F.STORED_TRIAL_SAMPLE_FIELD_OBSERVATION]
+    )
+    bob = observations.actor_samples[1]
+    assert bob.HasField("observation") and not bob.HasField("action") and not bob.HasField("reward")
+    assert not bob.received_rewards
+    assert b"why" not in observations.payloads and b"shared" in observations.payloads
+
+
+async def test_retrieve_samples_errors_and_empty_request(datastore: RunningDatastore) -> None:
+    assert await read_samples(datastore, []) == []
+    await add_trial(datastore, "exists")
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await read_samples(datastore, ["exists", "missing"])
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "missing" in (raised.value.details() or "")
+
+
+async def test_samples_survive_a_restart(datastore_factory: DatastoreFactory) -> None:
+    async with datastore_factory() as first:
+        await run_datalog(first, "durable", full_trial(20))
+    async with datastore_factory() as second:
+        assert [s.tick_id for s in await read_samples(second, ["durable"])] == list(range(20))
+
+
+async def test_version_and_status(datastore: RunningDatastore) -> None:
+    for service in ["TrialDatastoreSP", "DatalogSP", "LogExporterSP"]:
+        status = datastore.channel.unary_unary(
+            f"/cogmentAPI.{service}/Status",
+            request_serializer=common_pb2.StatusRequest.SerializeToString,
+            response_deserializer=common_pb2.StatusReply.FromString,
+        )
+        reply = await status(common_pb2.StatusRequest(names=["overall_load"]))
+        assert 0 <= int(reply.statuses["overall_load"]) <= 255
+    info = await datastore.stub.Version(common_pb2.VersionRequest())
+    assert any(v.name == "cogment-api" for v in info.versions)
