@@ -13,9 +13,11 @@ from typing import TypeVar
 import grpc
 import pytest
 
+from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
+from services.datastore.service import DatastoreService
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.directory.service import DirectoryService
-from shared.api import directory_pb2_grpc
+from shared.api import datalog_pb2_grpc, directory_pb2_grpc, trial_datastore_pb2_grpc
 from shared.config import parse_options
 from shared.server import Service, serve
 from tests.interop.sdk_env import SdkEnvError, ensure_sdk_python
@@ -105,4 +107,51 @@ def directory_factory(database_url: str) -> DirectoryFactory:
 async def directory(directory_factory: DirectoryFactory) -> AsyncIterator[RunningDirectory]:
     """A directory with default settings but a fast health-check interval."""
     async with directory_factory("--health_check_interval", "0.2") as running:
+        yield running
+
+
+@dataclass
+class RunningDatastore:
+    service: DatastoreService
+    channel: grpc.aio.Channel
+    stub: trial_datastore_pb2_grpc.TrialDatastoreSPStub
+    datalog: datalog_pb2_grpc.DatalogSPStub
+    log_exporter: datalog_pb2_grpc.LogExporterSPStub
+
+
+DatastoreFactory = Callable[..., AbstractAsyncContextManager[RunningDatastore]]
+
+
+def make_datastore_factory(database_url: str) -> DatastoreFactory:
+    """`async with factory(*flags) as d:` runs a Trial Datastore in-process on `database_url`;
+    several may run at once (replicas)."""
+
+    @asynccontextmanager
+    async def start(*flags: str) -> AsyncIterator[RunningDatastore]:
+        argv = ["--port", "0", "--bind_address", "127.0.0.1", "--database_url", database_url, *flags]
+        values = parse_options(DATASTORE_OPTIONS, argv, prog="test", description="test", environ={})
+        async with (
+            run_in_process(DatastoreService(values)) as service,
+            grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,
+        ):
+            yield RunningDatastore(
+                service,
+                channel,
+                trial_datastore_pb2_grpc.TrialDatastoreSPStub(channel),
+                datalog_pb2_grpc.DatalogSPStub(channel),
+                datalog_pb2_grpc.LogExporterSPStub(channel),
+            )
+
+    return start
+
+
+@pytest.fixture
+def datastore_factory(database_url: str) -> DatastoreFactory:
+    """Datastores on `database_url`: tests using it run on SQLite and on PostgreSQL."""
+    return make_datastore_factory(database_url)
+
+
+@pytest.fixture
+async def datastore(datastore_factory: DatastoreFactory) -> AsyncIterator[RunningDatastore]:
+    async with datastore_factory() as running:
         yield running

@@ -4,154 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
 
 import grpc
 import pytest
-from google.protobuf import any_pb2
 
-from services.datastore.service import OPTIONS, DatastoreService
-from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
+from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds
-from shared.config import parse_options
-from tests.conftest import run_in_process
+from tests.conftest import DatastoreFactory, RunningDatastore
+from tests.helpers.datastore import (
+    add_trial,
+    datalog_inputs,
+    datalog_sample,
+    full_trial,
+    list_trials,
+    read_samples,
+    run_datalog,
+    trial_params,
+)
 
 F = ds.StoredTrialSampleField
-
-
-@dataclass
-class RunningDatastore:
-    service: DatastoreService
-    channel: grpc.aio.Channel
-    stub: trial_datastore_pb2_grpc.TrialDatastoreSPStub
-    datalog: datalog_pb2_grpc.DatalogSPStub
-    log_exporter: datalog_pb2_grpc.LogExporterSPStub
-
-
-DatastoreFactory = Callable[..., AbstractAsyncContextManager[RunningDatastore]]
-
-
-def make_datastore_factory(database_url: str) -> DatastoreFactory:
-    @asynccontextmanager
-    async def start(*flags: str) -> AsyncIterator[RunningDatastore]:
-        argv = ["--port", "0", "--bind_address", "127.0.0.1", "--database_url", database_url, *flags]
-        values = parse_options(OPTIONS, argv, prog="test", description="test", environ={})
-        async with (
-            run_in_process(DatastoreService(values)) as service,
-            grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,
-        ):
-            yield RunningDatastore(
-                service,
-                channel,
-                trial_datastore_pb2_grpc.TrialDatastoreSPStub(channel),
-                datalog_pb2_grpc.DatalogSPStub(channel),
-                datalog_pb2_grpc.LogExporterSPStub(channel),
-            )
-
-    return start
-
-
-@pytest.fixture
-def datastore_factory(database_url: str) -> DatastoreFactory:
-    return make_datastore_factory(database_url)
-
-
-@pytest.fixture
-async def datastore(datastore_factory: DatastoreFactory) -> AsyncIterator[RunningDatastore]:
-    async with datastore_factory() as running:
-        yield running
-
-
-# ---- trial data ----
-
-ACTORS = [("alice", "class1", "impl_a"), ("bob", "class1", "impl_b"), ("carol", "class2", "impl_a")]
-
-
-def trial_params(**properties: str) -> common_pb2.TrialParams:
-    return common_pb2.TrialParams(
-        actors=[common_pb2.ActorParams(name=n, actor_class=c, implementation=i) for n, c, i in ACTORS],
-        properties=properties,
-        max_steps=100,
-    )
-
-
-def datalog_sample(
-    tick: int, state: int = common_pb2.RUNNING, *, out_of_sync: bool = False, reward: float | None = None
-) -> datalog_pb2.DatalogSample:
-    sample = datalog_pb2.DatalogSample(
-        info=datalog_pb2.SampleInfo(tick_id=tick, timestamp=1000 + tick, state=state, out_of_sync=out_of_sync)
-    )
-    if not out_of_sync:
-        sample.observations.CopyFrom(
-            env.ObservationSet(observations=[f"obs-{tick}".encode(), b"shared"], actors_map=[0, 1, 1])
-        )
-        sample.actions.extend(
-            common_pb2.Action(content=f"act-{tick}-{a}".encode()) for a in range(len(ACTORS))
-        )
-    if reward is not None:
-        sample.rewards.append(
-            common_pb2.Reward(
-                receiver_name="bob",
-                sources=[
-                    common_pb2.RewardSource(
-                        sender_name="alice", value=reward, confidence=1, user_data=any_pb2.Any(value=b"why")
-                    )
-                ],
-            )
-        )
-    return sample
-
-
-def datalog_inputs(
-    params: common_pb2.TrialParams, samples: Sequence[datalog_pb2.DatalogSample]
-) -> list[datalog_pb2.RunTrialDatalogInput]:
-    return [datalog_pb2.RunTrialDatalogInput(trial_params=params)] + [
-        datalog_pb2.RunTrialDatalogInput(sample=sample) for sample in samples
-    ]
-
-
-def full_trial(ticks: int) -> list[datalog_pb2.DatalogSample]:
-    return [
-        datalog_sample(tick, common_pb2.ENDED if tick == ticks - 1 else common_pb2.RUNNING)
-        for tick in range(ticks)
-    ]
-
-
-async def run_datalog(
-    d: RunningDatastore,
-    trial_id: str,
-    samples: Sequence[datalog_pb2.DatalogSample],
-    params: common_pb2.TrialParams | None = None,
-    user_id: str = "the-user",
-) -> int:
-    """Ingest through DatalogSP; returns the number of acknowledgements."""
-    call = d.datalog.RunTrialDatalog(
-        iter(datalog_inputs(params or trial_params(), samples)),
-        metadata=(("trial-id", trial_id), ("user-id", user_id)),
-    )
-    return len([ack async for ack in call])
-
-
-async def read_samples(
-    d: RunningDatastore, trial_ids: Sequence[str], **filters: object
-) -> list[ds.StoredTrialSample]:
-    call = d.stub.RetrieveSamples(ds.RetrieveSamplesRequest(trial_ids=trial_ids, **filters), timeout=30)
-    return [reply.trial_sample async for reply in call]
-
-
-async def add_trial(d: RunningDatastore, trial_id: str, user_id: str = "u", **properties: str) -> None:
-    await d.stub.AddTrial(
-        ds.AddTrialRequest(user_id=user_id, trial_params=trial_params(**properties)),
-        metadata=(("trial-id", trial_id),),
-    )
-
-
-async def list_trials(d: RunningDatastore, **request: object) -> ds.RetrieveTrialsReply:
-    reply: ds.RetrieveTrialsReply = await d.stub.RetrieveTrials(ds.RetrieveTrialsRequest(**request))
-    return reply
 
 
 # ---- ingestion ----
