@@ -7,11 +7,12 @@ import time
 
 import grpc
 import pytest
+from google.protobuf import any_pb2
 
 from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds
-from tests.conftest import DatastoreFactory, RunningDatastore
+from tests.conftest import DatastoreFactory, RunningDatastore, make_datastore_factory
 from tests.helpers.datastore import (
     add_trial,
     datalog_inputs,
@@ -331,3 +332,82 @@ async def test_version_and_status(datastore: RunningDatastore) -> None:
         assert 0 <= int(reply.statuses["overall_load"]) <= 255
     info = await datastore.stub.Version(common_pb2.VersionRequest())
     assert any(v.name == "cogment-api" for v in info.versions)
+
+
+async def test_the_references_worked_reward_example(datastore: RunningDatastore) -> None:
+    """reference-behaviour.md 4.3: wildcard receivers, confidence-weighted means, dropped names."""
+    actors = [("myactor", "class1"), ("myactor2", "class1"), ("myactor3", "class2"), ("myactor4", "class2")]
+    params = common_pb2.TrialParams(actors=[common_pb2.ActorParams(name=n, actor_class=c) for n, c in actors])
+
+    def reward(receiver: str, value: float, confidence: float, user_data: bytes = b"") -> common_pb2.Reward:
+        source = common_pb2.RewardSource(sender_name="env", value=value, confidence=confidence)
+        if user_data:
+            source.user_data.CopyFrom(any_pb2.Any(value=user_data))
+        return common_pb2.Reward(receiver_name=receiver, sources=[source])
+
+    sample = datalog_pb2.DatalogSample(
+        info=datalog_pb2.SampleInfo(tick_id=0, state=common_pb2.ENDED),
+        rewards=[
+            reward("*", 12, 1, b"details"),
+            reward("myactor", 24, 0.5),
+            reward("*.*", 24, 0.5),
+            reward("class2.*", 6, 1),
+            reward("class2.myactor4", 60, 0.5),
+            reward("", 100, 1),
+            reward("class1", 100, 1),
+        ],
+    )
+    await run_datalog(datastore, "rewards", [sample], params=params)
+    [stored] = await read_samples(datastore, ["rewards"])
+    assert [round(a.reward, 4) for a in stored.actor_samples] == [18, 16, 12, 20]
+    first = stored.actor_samples[0]
+    assert [r.reward for r in first.received_rewards] == [12, 24, 24]
+    assert all(r.sender == -1 for r in first.received_rewards)  # the environment
+    assert stored.payloads[first.received_rewards[0].user_data] == b"details"
+    assert not first.received_rewards[1].HasField("user_data")
+    assert not any(a.sent_rewards for a in stored.actor_samples)
+
+
+async def test_live_readers_follow_a_trial_ingested_through_another_replica(postgres_url: str) -> None:
+    factory = make_datastore_factory(postgres_url)
+    async with factory() as writer, factory() as reader:
+        await add_trial(writer, "shared")
+        received: list[float] = []
+
+        async def read() -> None:
+            call = reader.stub.RetrieveSamples(ds.RetrieveSamplesRequest(trial_ids=["shared"]), timeout=30)
+            async for _ in call:
+                received.append(time.monotonic())
+
+        reading = asyncio.create_task(read())
+        await asyncio.sleep(0.3)
+        sent_at = time.monotonic()
+        await run_datalog(writer, "shared", full_trial(1))
+        await asyncio.wait_for(reading, 10)
+        assert len(received) == 1 and received[0] - sent_at < 1.0
+        # And a RetrieveTrials waiting on one replica sees a trial created through the other.
+        waiting = asyncio.create_task(list_trials(reader, trial_ids=["newcomer"], timeout=10_000))
+        await asyncio.sleep(0.3)
+        created_at = time.monotonic()
+        await add_trial(writer, "newcomer")
+        reply = await asyncio.wait_for(waiting, 10)
+        assert [i.trial_id for i in reply.trial_infos] == ["newcomer"]
+        assert time.monotonic() - created_at < 1.0
+
+
+async def test_ingestion_through_two_replicas_keeps_each_trials_order(postgres_url: str) -> None:
+    factory = make_datastore_factory(postgres_url)
+    async with factory() as first, factory() as second:
+        trial_ids = [f"r{index}" for index in range(6)]
+        await asyncio.gather(
+            *(
+                run_datalog(first if index % 2 else second, trial_id, full_trial(100))
+                for index, trial_id in enumerate(trial_ids)
+            )
+        )
+        stored = await read_samples(first, trial_ids)
+        for trial_id in trial_ids:
+            assert [s.tick_id for s in stored if s.trial_id == trial_id] == list(range(100))
+        reply = await list_trials(second)
+        assert sorted(i.trial_id for i in reply.trial_infos) == sorted(trial_ids)
+        assert {i.samples_count for i in reply.trial_infos} == {100}
