@@ -6,9 +6,10 @@ the tables when woken: a notification only says "look again", the rows stay the 
 
 On PostgreSQL `notify()` is a `pg_notify` (delivered to every replica at commit, never for a
 rolled-back transaction) and one connection per process LISTENs on the channel, so streams
-follow writes made through other replicas. On SQLite (one process) the local wake-up is all.
-Waiters also look again every `safety_period` seconds, in case a notification was lost (the
-listening connection is re-established after failures, and wakes everyone when it is).
+follow writes made through other replicas. SQLite has no notifications between processes: the
+local wake-up serves this process, and waiters look again every half second for writes of other
+processes sharing the file. On PostgreSQL they look again every 5 s, in case a notification was
+lost (the listening connection is re-established after failures, and wakes everyone when it is).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from shared.logging import get_logger
 # PostgreSQL refuses payloads of 8000 bytes or more.
 MAX_PAYLOAD = 7000
 RECONNECT_DELAYS_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+SQLITE_POLL_PERIOD_S = 0.5
+POSTGRESQL_SAFETY_PERIOD_S = 5.0
 
 log = get_logger("shared.notify")
 
@@ -48,6 +51,9 @@ class Watch:
 
     async def wait(self, timeout: float | None = None) -> bool:
         """Whether a change was notified (False: the timeout passed first)."""
+        if self._changed.is_set():
+            self._changed.clear()
+            return True
         limit = self._feed.safety_period if timeout is None else min(timeout, self._feed.safety_period)
         try:
             await asyncio.wait_for(self._changed.wait(), limit)
@@ -67,10 +73,10 @@ class Watch:
 
 
 class ChangeFeed:
-    def __init__(self, database: Database, channel: str, *, safety_period: float = 5.0) -> None:
+    def __init__(self, database: Database, channel: str) -> None:
         self.database = database
         self.channel = channel
-        self.safety_period = safety_period
+        self.safety_period = POSTGRESQL_SAFETY_PERIOD_S if database.is_postgresql else SQLITE_POLL_PERIOD_S
         self._watches: dict[str, set[Watch]] = {}
         self._listener: asyncio.Task[None] | None = None
         self.listening = asyncio.Event()

@@ -43,10 +43,12 @@ from services.model_registry.blobstore import (
     S3BlobStore,
 )
 from services.model_registry.core import STALE_UPLOAD_S, ModelRegistry
+from services.model_registry.service import CHANGE_CHANNEL
 from services.model_registry.store import RegistryStore
 from shared.api import model_registry_pb2 as mr
 from shared.api import model_registry_pb2_grpc
 from shared.db import Database
+from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage, registry_versions
 from tests.helpers.services import RunningService, start_service
 
@@ -259,7 +261,12 @@ async def collect_abandoned_uploads(storage: Storage, monkeypatch: pytest.Monkey
     blobs = storage.make_blobs()
     try:
         await blobs.start()
-        registry = ModelRegistry(RegistryStore(database), blobs, cache_max_items=100, chunk_size=MiB)
+        registry = ModelRegistry(
+            RegistryStore(database, ChangeFeed(database, CHANGE_CHANNEL)),
+            blobs,
+            cache_max_items=100,
+            chunk_size=MiB,
+        )
         with monkeypatch.context() as patch:
             patch.setattr(registry_core, "time", clock)
             collected = await registry.collect_garbage()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from sqlalchemy import select
 
+from services.model_registry.service import CHANGE_CHANNEL
 from services.model_registry.store import (
     ModelInfo,
     RegistryStore,
@@ -16,6 +17,7 @@ from services.model_registry.store import (
     model_key,
 )
 from shared.db import Database
+from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage, registry_versions
 
 LONG_ID = "m" * 10_000
@@ -34,7 +36,11 @@ async def db(database_url: str) -> AsyncIterator[Database]:
 
 @pytest.fixture
 def store(db: Database) -> RegistryStore:
-    return RegistryStore(db)
+    return make_store(db)
+
+
+def make_store(database: Database) -> RegistryStore:
+    return RegistryStore(database, ChangeFeed(database, CHANGE_CHANNEL))
 
 
 async def _commit(
@@ -235,7 +241,7 @@ async def test_replicas_commit_without_gaps(postgres_url: str) -> None:
     databases = [Database(postgres_url) for _ in range(2)]
     try:
         await databases[0].migrate()
-        stores = [RegistryStore(database) for database in databases]
+        stores = [make_store(database) for database in databases]
         await stores[0].upsert_model(LONG_ID, {}, 1)
         results = await asyncio.gather(
             *(_commit(stores[index % 2], LONG_ID, f"blob-{index}") for index in range(40))
@@ -326,7 +332,7 @@ async def test_concurrent_evictions_never_over_evict(database_url: str) -> None:
     databases = [Database(database_url) for _ in range(2)]
     try:
         await databases[0].migrate()
-        stores = [RegistryStore(database) for database in databases]
+        stores = [make_store(database) for database in databases]
         await stores[0].upsert_model("foo", {}, 1)
         for index in range(30):
             assert await _commit(stores[0], "foo", f"t{index}", archived=index % 3 == 0) is not None
@@ -367,7 +373,7 @@ async def test_concurrent_takers_take_each_key_once(database_url: str) -> None:
     databases = [Database(database_url) for _ in range(2)]
     try:
         await databases[0].migrate()
-        stores = [RegistryStore(database) for database in databases]
+        stores = [make_store(database) for database in databases]
         keys = [f"blob/{index:04}" for index in range(300)]
         await stores[0].return_garbage(keys, 1)
         await stores[0].record_upload("future", 1000)

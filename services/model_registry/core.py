@@ -25,6 +25,7 @@ from services.model_registry.store import (
     RegistryStore,
     VersionInfo,
     VersionRecord,
+    model_changes_key,
     model_key,
 )
 from shared.logging import get_logger
@@ -35,8 +36,6 @@ GARBAGE_GRACE_S = 60.0
 STALE_UPLOAD_S = 24 * 3600.0
 GARBAGE_PERIOD_S = 10.0
 GARBAGE_BATCH = 100
-# How often a VersionUpdate stream looks for versions created through other replicas.
-VERSION_POLL_S = 0.5
 
 log = get_logger("model_registry.core")
 
@@ -191,9 +190,6 @@ class ModelRegistry:
         if info is None:  # the model was deleted meanwhile; the blob is collected as garbage
             raise NotFound(f'no model "{quoted(header.model_id)}" found')
         log.debug("version created", model_id=info.model_id, version=info.version_number, size=size)
-        watch = self._watches.get(info.model_id)
-        if watch is not None:
-            watch.wake.set()
         if not info.archived:
             await self._evict_transient()
         return info
@@ -261,9 +257,9 @@ class ModelRegistry:
     async def version_updates(self, model_id: str) -> AsyncIterator[VersionInfo]:
         """The latest version at once (if any), then every newer one, until the caller stops.
 
-        One watch per model serves every stream of this process: it is woken at once by versions
-        created here, and polls the database every VERSION_POLL_S for those created through
-        other replicas. It stops with its last stream.
+        One watch per model serves every stream of this process: the store's change feed wakes
+        it when a version is created or the model deleted, here or through another replica
+        (PostgreSQL LISTEN/NOTIFY). It stops with its last stream.
         """
         if await self._store.latest_number(model_id) is None:
             raise NotFound(f"unknown model id [{quoted(model_id)}]")
@@ -325,26 +321,25 @@ class _ModelWatch:
         self.model_id = model_id
         self.latest: int | None = 0
         self.changed = asyncio.Condition()
-        self.wake = asyncio.Event()
         self.streams = 0
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"version-watch-{model_id}")
 
     async def _follow(self) -> None:
-        while True:
-            try:
-                latest = await self.store.latest_number(self.model_id)
-            except Exception as error:  # keep following after a database hiccup
-                log.warning("could not read the latest version", model_id=self.model_id, error=str(error))
-            else:
-                if latest != self.latest:
-                    async with self.changed:
-                        self.latest = latest
-                        self.changed.notify_all()
-                if latest is None:
-                    return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), VERSION_POLL_S)
-            self.wake.clear()
+        # Watching before reading: a version committed in between still wakes the loop.
+        with self.store.feed.watch([model_changes_key(self.model_id)]) as changes:
+            while True:
+                try:
+                    latest = await self.store.latest_number(self.model_id)
+                except Exception as error:  # keep following after a database hiccup
+                    log.warning("could not read the latest version", model_id=self.model_id, error=str(error))
+                else:
+                    if latest != self.latest:
+                        async with self.changed:
+                            self.latest = latest
+                            self.changed.notify_all()
+                    if latest is None:
+                        return
+                await changes.wait()
 
     def has_news(self, sent: int) -> bool:
         """Whether a stream that sent version `sent` has something new to say."""

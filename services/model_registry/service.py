@@ -17,11 +17,13 @@ from shared.api import directory_pb2, model_registry_pb2
 from shared.config import Option, non_negative_int, parse_bool
 from shared.db import Database
 from shared.logging import get_logger
+from shared.notify import ChangeFeed
 from shared.registration import DirectoryRegistration, registration_options
 from shared.server import Service, ServiceRuntime, database_url, service_options
 
 DEFAULT_PORT = 9002
 ENV_PREFIX = "COGMENT_MODEL_REGISTRY"
+CHANGE_CHANNEL = "cogment_model_registry"
 # gRPC clients (the SDK among them) refuse messages over 4 MiB by default.
 MAX_CHUNK_SIZE = 4 * 1024 * 1024 - 1024
 
@@ -79,7 +81,8 @@ class ModelRegistryService(Service):
     def __init__(self, values: dict[str, Any]) -> None:
         super().__init__(values)
         self.database = Database(database_url(values, "model_registry"))
-        self.store = RegistryStore(self.database)
+        self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
+        self.store = RegistryStore(self.database, self.feed)
         self.blobs = blob_store(values)
         self.registry = ModelRegistry(
             self.store,
@@ -97,6 +100,7 @@ class ModelRegistryService(Service):
     async def start(self, runtime: ServiceRuntime) -> None:
         log.info("opening storage", database=self.database.display_url, blobs=self.blobs.description)
         await self.database.migrate()
+        await self.feed.start()
         await self.blobs.start()
         self.registry.start()
 
@@ -112,4 +116,5 @@ class ModelRegistryService(Service):
     async def stop(self) -> None:
         await self.registry.stop()
         await self.blobs.close()
+        await self.feed.stop()
         await self.database.close()

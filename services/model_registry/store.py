@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection
 
 from shared.db import Database
 from shared.digest import sha256_hex
+from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage as garbage
 from shared.schema import registry_models as models
 from shared.schema import registry_versions as versions
@@ -160,9 +161,18 @@ _TAKE_GARBAGE = (
 )
 
 
+def model_changes_key(model_id: str) -> str:
+    """The change-feed key of a model's versions (new versions, deletion)."""
+    return f"model:{model_key(model_id)}"
+
+
 class RegistryStore:
-    def __init__(self, database: Database) -> None:
+    """Every write that changes a model's versions notifies `feed` (see shared.notify), so
+    VersionUpdate streams in every replica look again."""
+
+    def __init__(self, database: Database, feed: ChangeFeed) -> None:
         self.db = database
+        self.feed = feed
         dialect: Any = postgresql if database.is_postgresql else sqlite
         self._insert_garbage = dialect.insert(garbage).on_conflict_do_nothing()
         upsert = dialect.insert(models)
@@ -221,9 +231,13 @@ class RegistryStore:
                     [{"blob_key": blob_key, "delete_after": garbage_after_ns} for blob_key in blob_keys],
                 )
             connection.execute(_DELETE_MODEL, {"key": key})
+            self.feed.notify(connection, [model_changes_key(model_id)])
             return True
 
-        return await self.db.run_write(write)
+        deleted = await self.db.run_write(write)
+        if deleted:
+            self.feed.wake([model_changes_key(model_id)])
+        return deleted
 
     # ---- Versions ----
 
@@ -271,6 +285,7 @@ class RegistryStore:
                 },
             )
             connection.execute(_FORGET_GARBAGE, {"key": blob_key})
+            self.feed.notify(connection, [model_changes_key(model_id)])
             return VersionInfo(
                 model_id=model_id,
                 version_number=number,
@@ -281,7 +296,10 @@ class RegistryStore:
                 user_data=dict(user_data),
             )
 
-        return await self.db.run_write(write)
+        info = await self.db.run_write(write)
+        if info is not None:
+            self.feed.wake([model_changes_key(model_id)])
+        return info
 
     async def get_version(self, model_id: str, version_number: int) -> VersionRecord | None:
         rows = await self.db.fetch(_GET_VERSION, {"key": model_key(model_id), "number": version_number})

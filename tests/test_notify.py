@@ -1,0 +1,90 @@
+"""The change feed (`shared.notify`): wake-ups within a process, across replicas on PostgreSQL,
+and after the listening connection was lost."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from shared.db import Database
+from shared.notify import ChangeFeed, _payloads
+
+
+async def _notify(database: Database, feed: ChangeFeed, keys: list[str]) -> None:
+    await database.run_write(lambda connection: feed.notify(connection, keys))
+    feed.wake(keys)
+
+
+async def test_local_wake_reaches_only_watches_of_the_key(tmp_path: Path) -> None:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'feed.db'}")
+    feed = ChangeFeed(database, "test")
+    await feed.start()
+    try:
+        with feed.watch(["a"]) as watch_a, feed.watch(["b"]) as watch_b:
+            feed.wake(["a"])
+            assert await watch_a.wait(2)
+            assert not await watch_b.wait(0.05)
+            # A change notified before the wait is not lost.
+            feed.wake(["b"])
+            assert await watch_b.wait(0)
+    finally:
+        await feed.stop()
+        await database.close()
+
+
+async def test_notifications_reach_other_replicas_only_once_committed(postgres_url: str) -> None:
+    databases = [Database(postgres_url) for _ in range(2)]
+    feeds = [ChangeFeed(database, "test") for database in databases]
+    try:
+        for feed in feeds:
+            await feed.start()
+        with feeds[1].watch(["trial:1"]) as watch:
+
+            def rolled_back(connection: object) -> None:
+                feeds[0].notify(connection, ["trial:1"])  # type: ignore[arg-type]
+                raise RuntimeError("roll back")
+
+            with pytest.raises(RuntimeError):
+                await databases[0].run_write(rolled_back)
+            assert not await watch.wait(0.3)
+            await _notify(databases[0], feeds[0], ["trial:1", "trial:2"])
+            assert await watch.wait(2)
+    finally:
+        for feed, database in zip(feeds, databases, strict=True):
+            await feed.stop()
+            await database.close()
+
+
+async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str) -> None:
+    databases = [Database(postgres_url) for _ in range(2)]
+    listener = ChangeFeed(databases[1], "test")
+    notifier = ChangeFeed(databases[0], "test")
+    try:
+        await listener.start()
+        with listener.watch(["k"]) as watch:
+            async with databases[0].engine.begin() as connection:
+                await connection.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+                    )
+                )
+            # Everyone is woken once listening again: changes meanwhile were not notified.
+            assert await watch.wait(5)
+            await asyncio.sleep(0.2)
+            await _notify(databases[0], notifier, ["k"])
+            assert await watch.wait(5)
+    finally:
+        await listener.stop()
+        for database in databases:
+            await database.close()
+
+
+def test_payloads_stay_under_postgresqls_limit() -> None:
+    keys = [f"trial:{index}" for index in range(3000)]
+    payloads = list(_payloads(keys + keys[:10]))
+    assert len(payloads) > 1 and all(len(payload) < 8000 for payload in payloads)
+    assert [key for payload in payloads for key in payload.split(",")] == keys
