@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.model_registry.service import OPTIONS as MODEL_REGISTRY_OPTIONS
 from shared.config import Option
@@ -23,7 +24,9 @@ DIRECTORY_ENV = {option.flag: option.env for option in DIRECTORY_OPTIONS}
 
 
 @pytest.mark.parametrize(
-    "option", [*DIRECTORY_OPTIONS, *MODEL_REGISTRY_OPTIONS], ids=lambda option: option.env or option.flag
+    "option",
+    [*DIRECTORY_OPTIONS, *MODEL_REGISTRY_OPTIONS, *DATASTORE_OPTIONS],
+    ids=lambda option: option.env or option.flag,
 )
 def test_every_flag_is_documented(option: Option) -> None:
     assert f"`--{option.flag}`" in README
