@@ -148,12 +148,22 @@ registry_blob_garbage = Table(
 
 # ---- Trial Datastore ----
 
+# BIGINT on PostgreSQL; INTEGER on SQLite, where only an INTEGER primary key is the rowid.
+TRIAL_SEQ = BigInteger().with_variant(Integer, "sqlite")
+
+
+def _trial_reference() -> Column[int]:
+    return Column(
+        "trial_seq", TRIAL_SEQ, ForeignKey("datastore_trials.trial_seq", ondelete="CASCADE"), primary_key=True
+    )
+
+
 datastore_trials = Table(
     "datastore_trials",
     metadata,
     # Creation order: RetrieveTrials handles are positions in it. Never reused (AUTOINCREMENT on
     # SQLite), so a trial deleted and created again comes after pagers that passed its old place.
-    Column("trial_seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("trial_seq", TRIAL_SEQ, primary_key=True, autoincrement=True),
     # SHA-256 of the trial id (see shared.digest); the id itself is kept unindexed.
     Column("trial_key", String(64), nullable=False, unique=True),
     Column("trial_id", Text, nullable=False),
@@ -176,12 +186,7 @@ datastore_trials = Table(
 datastore_trial_properties = Table(
     "datastore_trial_properties",
     metadata,
-    Column(
-        "trial_seq",
-        BigInteger().with_variant(Integer, "sqlite"),
-        ForeignKey("datastore_trials.trial_seq", ondelete="CASCADE"),
-        primary_key=True,
-    ),
+    _trial_reference(),
     Column("pair_digest", String(64), primary_key=True),
     Index(None, "pair_digest", "trial_seq"),
 )
@@ -189,12 +194,7 @@ datastore_trial_properties = Table(
 datastore_samples = Table(
     "datastore_samples",
     metadata,
-    Column(
-        "trial_seq",
-        BigInteger().with_variant(Integer, "sqlite"),
-        ForeignKey("datastore_trials.trial_seq", ondelete="CASCADE"),
-        primary_key=True,
-    ),
+    _trial_reference(),
     # Arrival order within the trial, from 0: samples are replayed in it.
     Column("sample_seq", BigInteger, primary_key=True, autoincrement=False),
     # Serialized cogmentAPI.StoredTrialSample, replayed as is when no filter applies.

@@ -4,11 +4,11 @@ S3 (SeaweedFS), and in-process services reached over real gRPC connections."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -18,7 +18,7 @@ from services.datastore.service import DatastoreService
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.directory.service import DirectoryService
 from shared.api import datalog_pb2_grpc, directory_pb2_grpc, trial_datastore_pb2_grpc
-from shared.config import parse_options
+from shared.config import Option, parse_options
 from shared.server import Service, serve
 from tests.interop.sdk_env import SdkEnvError, ensure_sdk_python
 
@@ -78,6 +78,20 @@ async def run_in_process(service: S) -> AsyncIterator[S]:
         await asyncio.wait_for(task, 30)
 
 
+@asynccontextmanager
+async def serving(
+    options: Sequence[Option], make_service: Callable[[dict[str, Any]], S], *flags: str
+) -> AsyncIterator[tuple[S, grpc.aio.Channel]]:
+    """Run a service in-process on 127.0.0.1 (a free port) with `flags`, and a channel to it."""
+    argv = ["--port", "0", "--bind_address", "127.0.0.1", *flags]
+    values = parse_options(options, argv, prog="test", description="test", environ={})
+    async with (
+        run_in_process(make_service(values)) as service,
+        grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,
+    ):
+        yield service, channel
+
+
 DirectoryFactory = Callable[..., AbstractAsyncContextManager[RunningDirectory]]
 
 
@@ -87,12 +101,9 @@ def make_directory_factory(database_url: str) -> DirectoryFactory:
 
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningDirectory]:
-        argv = ["--port", "0", "--bind_address", "127.0.0.1", "--database_url", database_url, *flags]
-        values = parse_options(DIRECTORY_OPTIONS, argv, prog="test", description="test", environ={})
-        async with run_in_process(DirectoryService(values)) as service:
-            assert service.port is not None
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
-                yield RunningDirectory(service, channel, directory_pb2_grpc.DirectorySPStub(channel))
+        running = serving(DIRECTORY_OPTIONS, DirectoryService, "--database_url", database_url, *flags)
+        async with running as (service, channel):
+            yield RunningDirectory(service, channel, directory_pb2_grpc.DirectorySPStub(channel))
 
     return start
 
@@ -128,12 +139,8 @@ def make_datastore_factory(database_url: str) -> DatastoreFactory:
 
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningDatastore]:
-        argv = ["--port", "0", "--bind_address", "127.0.0.1", "--database_url", database_url, *flags]
-        values = parse_options(DATASTORE_OPTIONS, argv, prog="test", description="test", environ={})
-        async with (
-            run_in_process(DatastoreService(values)) as service,
-            grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,
-        ):
+        running = serving(DATASTORE_OPTIONS, DatastoreService, "--database_url", database_url, *flags)
+        async with running as (service, channel):
             yield RunningDatastore(
                 service,
                 channel,

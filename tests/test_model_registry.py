@@ -21,8 +21,7 @@ from services.model_registry.service import OPTIONS, ModelRegistryService
 from services.model_registry.servicer import data_chunk_frame
 from shared.api import model_registry_pb2 as mr
 from shared.api import model_registry_pb2_grpc
-from shared.config import parse_options
-from tests.conftest import run_in_process
+from tests.conftest import serving
 
 CHUNK = 2 * 1024 * 1024
 
@@ -52,12 +51,8 @@ def registry_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Registry
 
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningRegistry]:
-        argv = ["--port", "0", "--bind_address", "127.0.0.1", *storage, *flags]
-        values = parse_options(OPTIONS, argv, prog="test", description="test", environ={})
-        async with run_in_process(ModelRegistryService(values)) as service:
-            assert service.port is not None  # known once serving: the channel comes after
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
-                yield RunningRegistry(service, model_registry_pb2_grpc.ModelRegistrySPStub(channel))
+        async with serving(OPTIONS, ModelRegistryService, *storage, *flags) as (service, channel):
+            yield RunningRegistry(service, model_registry_pb2_grpc.ModelRegistrySPStub(channel))
 
     return start
 
