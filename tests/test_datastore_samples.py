@@ -238,12 +238,12 @@ def test_actor_to_actor_reward_with_user_data() -> None:
 
     sender, _, receiver, _ = stored.actor_samples
     assert list(stored.payloads) == [b"why"]
-    assert receiver.received_rewards[0] == trial_datastore_pb2.StoredTrialActorSampleReward(
-        sender=0, reward=2, confidence=0.25, user_data=0
+    # Both ends on both entries (the reference left the owner's own index at 0).
+    entry = trial_datastore_pb2.StoredTrialActorSampleReward(
+        sender=0, receiver=2, reward=2, confidence=0.25, user_data=0
     )
-    assert sender.sent_rewards[0] == trial_datastore_pb2.StoredTrialActorSampleReward(
-        receiver=2, reward=2, confidence=0.25, user_data=0
-    )
+    assert receiver.received_rewards[0] == entry
+    assert sender.sent_rewards[0] == entry
     assert receiver.reward == 2.0
     assert not sender.HasField("reward")  # sending does not make an actor targeted
     assert len(receiver.sent_rewards) == 0
@@ -418,10 +418,13 @@ def test_messages() -> None:
     assert list(stored.payloads) == [b"from env", b"hello", b"to env", b"", b""]
     a0, a1, a2, a3 = stored.actor_samples
     message = trial_datastore_pb2.StoredTrialActorSampleMessage
-    assert list(a1.received_messages) == [message(sender=-1, payload=0)]
-    assert list(a3.received_messages) == [message(sender=0, payload=1)]
-    assert list(a0.sent_messages) == [message(receiver=3, payload=1), message(receiver=-1, payload=3)]
-    assert list(a2.sent_messages) == [message(receiver=-1, payload=2)]
+    assert list(a1.received_messages) == [message(sender=-1, receiver=1, payload=0)]
+    assert list(a3.received_messages) == [message(sender=0, receiver=3, payload=1)]
+    assert list(a0.sent_messages) == [
+        message(sender=0, receiver=3, payload=1),
+        message(sender=0, receiver=-1, payload=3),
+    ]
+    assert list(a2.sent_messages) == [message(sender=2, receiver=-1, payload=2)]
     assert len(a0.received_messages) == len(a2.received_messages) == 0
     assert len(a1.sent_messages) == len(a3.sent_messages) == 0
 

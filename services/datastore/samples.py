@@ -130,10 +130,14 @@ class DatalogConverter:
             payloads.append(message.payload.value)
             receiver = index_by_name.get(message.receiver_name, -1)
             sender = index_by_name.get(message.sender_name, -1)
+            # Both ends on both entries: the reference left the owner's own index at 0, which the
+            # SDK reads (it would name actor 0); clients that ignore it see no difference.
             if receiver >= 0:
-                actors[receiver].received_messages.add(sender=sender, payload=payload_index)
+                actors[receiver].received_messages.add(
+                    sender=sender, receiver=receiver, payload=payload_index
+                )
             if sender >= 0:
-                actors[sender].sent_messages.add(receiver=receiver, payload=payload_index)
+                actors[sender].sent_messages.add(sender=sender, receiver=receiver, payload=payload_index)
 
         stored.payloads.extend(payloads)
         return stored
@@ -176,13 +180,17 @@ class DatalogConverter:
                     if user_data:  # a new payload per receiver, as in the reference
                         user_data_index = len(payloads)
                         payloads.append(user_data)
-                    received_rewards.add(
-                        sender=sender, reward=value, confidence=confidence, user_data=user_data_index
-                    )
+                    # Both ends filled, as for messages.
+                    entry = {
+                        "sender": sender,
+                        "receiver": receiver,
+                        "reward": value,
+                        "confidence": confidence,
+                        "user_data": user_data_index,
+                    }
+                    received_rewards.add(**entry)
                     if sender >= 0:
-                        actors[sender].sent_rewards.add(
-                            receiver=receiver, reward=value, confidence=confidence, user_data=user_data_index
-                        )
+                        actors[sender].sent_rewards.add(**entry)
         for index in range(actor_count):
             if targeted[index]:
                 total = confidences[index]
