@@ -1,34 +1,100 @@
 """Group commit of ingested samples: many streams' samples, one transaction.
 
-Every ingestion stream of the process submits its samples here and gets a future that resolves
-once they are committed (the acknowledgement waits for it: an acknowledged sample is durable).
-One task writes: while a transaction runs, new submissions queue; the next transaction takes
-them all, up to `max_samples` samples or `max_bytes` bytes. Batches are therefore bounded in size,
-and a sample waits at most for the transaction under way plus its own. Submissions are written
-in the order they came, so each trial's samples keep their order.
+Each ingestion stream adds its samples to its own `IngestionBuffer`; one task writes: while a
+transaction runs, samples accumulate; the next transaction takes what every buffer holds, up to
+`max_samples` samples (and about `max_bytes` bytes). Batches are therefore bounded in size, and
+a sample waits at most for the transaction under way plus its own. A buffer's samples are taken
+in order and one transaction runs at a time, so each trial's samples keep their order.
+
+Buffers count what is committed: a stream acknowledges that many (an acknowledged sample is
+durable). Bookkeeping is per buffer and per batch, not per sample: at thousands of samples a
+second, per-sample futures would cost the event loop more than the conversion does.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import dataclass, field
 
 from services.datastore.store import DatastoreStore, SampleAppend
+from shared.api import common_pb2
 from shared.logging import get_logger
 
 DEFAULT_MAX_SAMPLES = 1000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+# A state that changes nothing in the trial (out-of-sync samples have none).
+NO_STATE = common_pb2.UNKNOWN
+ENDED = common_pb2.ENDED
 
 log = get_logger("datastore.batcher")
 
 
-@dataclass
-class _Submission:
-    append: SampleAppend
-    size: int
-    # True once stored; False if the trial no longer exists.
-    done: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+class TrialMissing(Exception):
+    """The trial was deleted while samples were on their way."""
+
+
+class IngestionBuffer:
+    """One ingestion stream's samples on their way to the database."""
+
+    def __init__(self, batcher: SampleBatcher, trial_seq: int) -> None:
+        self.trial_seq = trial_seq
+        self._batcher = batcher
+        self._samples: list[bytes] = []
+        # Per pending sample, the state it sets in its trial (NO_STATE: none).
+        self._states: list[int] = []
+        self._closing = False
+        self._close_taken = False
+        self.closed = False
+        self.submitted = 0
+        self.committed = 0
+        self.failure: Exception | None = None
+        # Set whenever `committed`, `closed` or `failure` changes.
+        self.progressed = asyncio.Event()
+        self.queued = False
+
+    @property
+    def in_flight(self) -> int:
+        return self.submitted - self.committed
+
+    def add(self, data: bytes, state: int) -> None:
+        self._samples.append(data)
+        self._states.append(state)
+        self.submitted += 1
+        self._batcher.schedule(self)
+
+    def close(self) -> None:
+        """After the samples added so far: the ingestion stream closed."""
+        self._closing = True
+        self._batcher.schedule(self)
+
+    def has_work(self) -> bool:
+        return bool(self._samples) or (self._closing and not self._close_taken)
+
+    def take(self, limit: int) -> tuple[SampleAppend, int]:
+        """The next append (at most `limit` samples), and its size in bytes."""
+        count = min(len(self._samples), limit)
+        samples, states = self._samples[:count], self._states[:count]
+        del self._samples[:count], self._states[:count]
+        changes = [state for state in states if state != NO_STATE]
+        close = self._closing and not self._samples
+        self._close_taken = self._close_taken or close
+        append = SampleAppend(
+            self.trial_seq,
+            samples,
+            last_state=changes[-1] if changes else None,
+            ended=ENDED in changes,
+            close=close,
+        )
+        return append, sum(len(data) for data in samples)
+
+    def stored(self, append: SampleAppend) -> None:
+        self.committed += len(append.samples)
+        self.closed = self.closed or append.close
+        self.progressed.set()
+
+    def failed(self, error: Exception) -> None:
+        self.failure = error
+        self.progressed.set()
 
 
 class SampleBatcher:
@@ -42,7 +108,7 @@ class SampleBatcher:
         self._store = store
         self.max_samples = max_samples
         self.max_bytes = max_bytes
-        self._pending: deque[_Submission] = deque()
+        self._queue: deque[IngestionBuffer] = deque()
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -59,67 +125,52 @@ class SampleBatcher:
         await self._task
         self._task = None
 
-    def submit(self, append: SampleAppend) -> asyncio.Future[bool]:
-        """Queue `append`; the future says whether it was stored (False: unknown trial), or
-        raises the database error that prevented it."""
-        submission = _Submission(append, sum(len(data) for data in append.samples))
-        self._pending.append(submission)
-        self._ready.set()
-        return submission.done
+    def open(self, trial_seq: int) -> IngestionBuffer:
+        return IngestionBuffer(self, trial_seq)
 
-    def _take_batch(self) -> list[_Submission]:
-        batch: list[_Submission] = []
+    def schedule(self, buffer: IngestionBuffer) -> None:
+        if not buffer.queued:
+            buffer.queued = True
+            self._queue.append(buffer)
+            self._ready.set()
+
+    def _take_batch(self) -> list[tuple[IngestionBuffer, SampleAppend]]:
+        batch: list[tuple[IngestionBuffer, SampleAppend]] = []
         samples = size = 0
-        while self._pending:
-            head = self._pending[0]
-            # A single oversized submission still goes, on its own.
-            too_many = samples + len(head.append.samples) > self.max_samples
-            if batch and (too_many or size + head.size > self.max_bytes):
-                break
-            batch.append(self._pending.popleft())
-            samples += len(head.append.samples)
-            size += head.size
+        while self._queue and samples < self.max_samples and size < self.max_bytes:
+            buffer = self._queue.popleft()
+            if buffer.failure is not None:  # what it still holds must not be written after a gap
+                buffer.queued = False
+                continue
+            append, append_size = buffer.take(self.max_samples - samples)
+            batch.append((buffer, append))
+            samples += len(append.samples)
+            size += append_size
+            if buffer.has_work():
+                self._queue.append(buffer)  # the rest in a later batch, after the others' turn
+            else:
+                buffer.queued = False
         return batch
 
     async def _write_forever(self) -> None:
         while True:
             await self._ready.wait()
             self._ready.clear()
-            while self._pending:
+            while self._queue:
                 await self._write(self._take_batch())
             if self._stopping:
                 return
 
-    async def _write(self, batch: list[_Submission]) -> None:
-        appends = _merged(batch)
+    async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend]]) -> None:
         try:
-            firsts = await self._store.append(appends)
-        except Exception as error:  # the streams that submitted report it; later batches retry
-            log.warning("could not store a batch of samples", samples=len(batch), error=str(error))
-            for submission in batch:
-                if not submission.done.done():
-                    submission.done.set_exception(error)
+            firsts = await self._store.append([append for _, append in batch])
+        except Exception as error:  # the streams concerned report it
+            log.warning("could not store a batch of samples", appends=len(batch), error=str(error))
+            for buffer, _ in batch:
+                buffer.failed(error)
             return
-        stored = {append.trial_seq: first is not None for append, first in zip(appends, firsts, strict=True)}
-        for submission in batch:
-            if not submission.done.done():
-                submission.done.set_result(stored[submission.append.trial_seq])
-
-
-def _merged(batch: list[_Submission]) -> list[SampleAppend]:
-    """One append per trial, its submissions' samples in order (fewer statements per batch)."""
-    merged: dict[int, SampleAppend] = {}
-    for submission in batch:
-        append = submission.append
-        into = merged.get(append.trial_seq)
-        if into is None:
-            merged[append.trial_seq] = SampleAppend(
-                append.trial_seq, list(append.samples), append.last_state, append.ended, append.close
-            )
-            continue
-        into.samples.extend(append.samples)
-        if append.last_state is not None:
-            into.last_state = append.last_state
-        into.ended = into.ended or append.ended
-        into.close = into.close or append.close
-    return list(merged.values())
+        for (buffer, append), first in zip(batch, firsts, strict=True):
+            if first is None:
+                buffer.failed(TrialMissing())
+            else:
+                buffer.stored(append)

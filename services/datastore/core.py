@@ -13,13 +13,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
-from services.datastore.batcher import SampleBatcher
-from services.datastore.errors import InvalidRequest, NotFound
+from services.datastore.batcher import NO_STATE, SampleBatcher, TrialMissing
+from services.datastore.errors import DatastoreError, InvalidRequest, NotFound, Unavailable
 from services.datastore.samples import DatalogConverter, SampleFilter
-from services.datastore.store import TRIALS_KEY, DatastoreStore, SampleAppend, TrialRecord, samples_key
+from services.datastore.store import TRIALS_KEY, DatastoreStore, TrialRecord, samples_key
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
@@ -32,10 +31,9 @@ MAX_IN_FLIGHT = 2000
 # The user id of trials ingested without a `user-id` header (the reference's constant).
 DEFAULT_DATALOG_USER_ID = "log exporter server"
 ENDED = common_pb2.ENDED
-UNKNOWN_STATE = common_pb2.UNKNOWN
 
 log = get_logger("datastore.core")
-T = TypeVar("T")
+R = TypeVar("R")
 
 
 def quoted(text: str) -> str:
@@ -70,18 +68,10 @@ def parse_handle(handle: str) -> int:
     return value
 
 
-@dataclass
-class _StateChange:
-    last_state: int | None
-    ended: bool
-
-
-def _state_change(state: int, out_of_sync: bool = False) -> _StateChange:
-    """What a sample changes in its trial: out-of-sync samples (late rewards of past ticks, with no
-    state) change nothing, and nothing un-ends a trial."""
-    if out_of_sync or state == UNKNOWN_STATE:
-        return _StateChange(None, False)
-    return _StateChange(state, state == ENDED)
+def _stored_state(state: int, out_of_sync: bool = False) -> int:
+    """The state a sample sets in its trial: out-of-sync samples (late rewards of past ticks,
+    with no state) set none, and nothing un-ends a trial (see DatastoreStore.append)."""
+    return NO_STATE if out_of_sync else state
 
 
 class Ingestion:
@@ -90,57 +80,78 @@ class Ingestion:
     def __init__(
         self, datastore: TrialDatastore, trial: TrialRecord, converter: DatalogConverter | None
     ) -> None:
-        self._datastore = datastore
         self.trial = trial
         self._converter = converter
+        self._buffer = datastore.batcher.open(trial.trial_seq)
         self._saw_ended = trial.ended
 
-    def ingest_datalog(self, samples: AsyncIterator[datalog_pb2.DatalogSample]) -> AsyncIterator[None]:
-        """Store the orchestrator's samples; yields once per sample, in order, once committed."""
-        return self._acknowledged(samples, self._add_datalog)
+    def ingest_datalog(
+        self, requests: AsyncIterator[R], sample_of: Callable[[R], datalog_pb2.DatalogSample]
+    ) -> AsyncIterator[int]:
+        """Store the orchestrator's samples (`sample_of` each request); yields how many more were
+        committed, in order, as they are."""
+        return self._acknowledged(requests, lambda request: self._datalog(sample_of(request)))
 
     def ingest_stored(
-        self, samples: AsyncIterator[trial_datastore_pb2.StoredTrialSample]
-    ) -> AsyncIterator[None]:
+        self, requests: AsyncIterator[R], sample_of: Callable[[R], trial_datastore_pb2.StoredTrialSample]
+    ) -> AsyncIterator[int]:
         """Store samples already in the stored form (AddSample); yields as `ingest_datalog`."""
-        return self._acknowledged(samples, self._add_stored)
+        return self._acknowledged(requests, lambda request: self._stored(sample_of(request)))
 
-    async def _acknowledged(
-        self, samples: AsyncIterator[T], add: Callable[[T], asyncio.Future[bool]]
-    ) -> AsyncIterator[None]:
+    async def _acknowledged(self, requests: AsyncIterator[R], add: Callable[[R], None]) -> AsyncIterator[int]:
         # Reading runs ahead of the commits (that is what lets many samples share a transaction),
         # at most MAX_IN_FLIGHT samples ahead.
-        in_flight: asyncio.Queue[asyncio.Future[bool] | Exception | None] = asyncio.Queue(MAX_IN_FLIGHT)
+        buffer = self._buffer
+        read_failure: list[Exception] = []
+        reading = True
 
         async def read() -> None:
+            nonlocal reading
             try:
-                async for sample in samples:
-                    await in_flight.put(add(sample))
+                async for request in requests:
+                    add(request)
+                    while buffer.in_flight >= MAX_IN_FLIGHT and buffer.failure is None:
+                        await room.wait()
+                        room.clear()
             except Exception as error:  # a bad sample, or the stream broke: after what came before
-                await in_flight.put(error)
-                return
-            await in_flight.put(None)
+                read_failure.append(error)
+            finally:
+                reading = False
+                buffer.progressed.set()
 
+        room = asyncio.Event()
         reader = asyncio.get_running_loop().create_task(read(), name=f"ingest-{self.trial.trial_seq}")
+        acknowledged = 0
         try:
-            while (item := await in_flight.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                if not await item:
-                    raise NotFound(f'trial "{quoted(self.trial.trial_id)}" was deleted')
-                yield None
+            while True:
+                await buffer.progressed.wait()
+                buffer.progressed.clear()
+                room.set()
+                if buffer.failure is not None:
+                    raise self._failure(buffer.failure)
+                if buffer.committed > acknowledged:
+                    yield buffer.committed - acknowledged
+                    acknowledged = buffer.committed
+                if not reading and acknowledged == buffer.submitted:
+                    if read_failure:
+                        raise read_failure[0]
+                    return
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    def _add_datalog(self, sample: datalog_pb2.DatalogSample) -> asyncio.Future[bool]:
+    def _failure(self, error: Exception) -> DatastoreError:
+        if isinstance(error, TrialMissing):
+            return NotFound(f'trial "{quoted(self.trial.trial_id)}" was deleted')
+        return Unavailable(f"could not store the samples: {error}")
+
+    def _datalog(self, sample: datalog_pb2.DatalogSample) -> None:
         assert self._converter is not None
         stored = self._converter.convert(sample)
-        change = _state_change(stored.state, sample.info.out_of_sync)
-        return self._submit(stored.SerializeToString(), change)
+        self._add(stored.SerializeToString(), _stored_state(stored.state, sample.info.out_of_sync))
 
-    def _add_stored(self, sample: trial_datastore_pb2.StoredTrialSample) -> asyncio.Future[bool]:
+    def _stored(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
         if sample.trial_id and sample.trial_id != self.trial.trial_id:
             raise InvalidRequest(
                 "'AddSampleRequest.TrialSample.trial_id' should be left undefined or should match the "
@@ -148,13 +159,11 @@ class Ingestion:
             )
         sample.trial_id = self.trial.trial_id
         checked_text(sample.user_id, "user ids")
-        return self._submit(sample.SerializeToString(), _state_change(sample.state))
+        self._add(sample.SerializeToString(), _stored_state(sample.state))
 
-    def _submit(self, data: bytes, change: _StateChange) -> asyncio.Future[bool]:
-        self._saw_ended = self._saw_ended or change.ended
-        return self._datastore.batcher.submit(
-            SampleAppend(self.trial.trial_seq, [data], change.last_state, change.ended)
-        )
+    def _add(self, data: bytes, state: int) -> None:
+        self._saw_ended = self._saw_ended or state == ENDED
+        self._buffer.add(data, state)
 
     async def close(self) -> None:
         """The datalog stream closed: live readers stop once they have every sample."""
@@ -163,7 +172,11 @@ class Ingestion:
                 "trial ingestion closed before the trial ended: it is marked interrupted",
                 trial_id=self.trial.trial_id,
             )
-        await self._datastore.batcher.submit(SampleAppend(self.trial.trial_seq, [], close=True))
+        buffer = self._buffer
+        buffer.close()
+        while not buffer.closed and buffer.failure is None:
+            await buffer.progressed.wait()
+            buffer.progressed.clear()
 
 
 class TrialDatastore:
@@ -186,7 +199,7 @@ class TrialDatastore:
         seq = await self.store.upsert_trial(
             trial_id, user_id, data, params.properties, time.time_ns(), reopen=reopen
         )
-        return TrialRecord(seq, trial_id, user_id, data, 0, UNKNOWN_STATE, False, False)
+        return TrialRecord(seq, trial_id, user_id, data, 0, NO_STATE, False, False)
 
     async def delete_trials(self, trial_ids: Sequence[str]) -> int:
         deleted = await self.store.delete_trials(trial_ids)

@@ -13,3 +13,7 @@ class InvalidRequest(DatastoreError):
 
 class NotFound(DatastoreError):
     """A trial the request names does not exist (NOT_FOUND)."""
+
+
+class Unavailable(DatastoreError):
+    """The database failed: the client may retry (UNAVAILABLE)."""

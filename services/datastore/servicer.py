@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from services.datastore.core import Ingestion, TrialDatastore
-from services.datastore.errors import DatastoreError, InvalidRequest, NotFound
+from services.datastore.errors import DatastoreError, InvalidRequest, NotFound, Unavailable
 from services.datastore.store import TrialRecord
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
 from shared.server import ServiceRuntime, VersionStatusMixin, add_servicer, field_one_frame, pre_encoded
@@ -24,7 +24,10 @@ MAX_SAMPLES_COUNT = 2**32 - 1
 STATUS_BY_ERROR: dict[type[DatastoreError], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
+# Every DatalogSP acknowledgement is this same empty message.
+ACKNOWLEDGEMENT = datalog_pb2.RunTrialDatalogOutput()
 
 DatalogInput = datalog_pb2.RunTrialDatalogInput | datalog_pb2.LogExporterSampleRequest
 
@@ -58,20 +61,16 @@ def trial_info_message(record: TrialRecord) -> trial_datastore_pb2.StoredTrialIn
     )
 
 
-async def _datalog_samples(requests: AsyncIterator[DatalogInput]) -> AsyncIterator[datalog_pb2.DatalogSample]:
-    async for request in requests:
-        if request.WhichOneof("msg") != "sample":
-            raise InvalidRequest('body message is not of type "cogment.DatalogSample"')
-        yield request.sample
+def _datalog_sample(request: DatalogInput) -> datalog_pb2.DatalogSample:
+    if request.WhichOneof("msg") != "sample":
+        raise InvalidRequest('body message is not of type "cogment.DatalogSample"')
+    return request.sample
 
 
-async def _stored_samples(
-    requests: AsyncIterator[trial_datastore_pb2.AddSampleRequest],
-) -> AsyncIterator[trial_datastore_pb2.StoredTrialSample]:
-    async for request in requests:
-        if not request.HasField("trial_sample"):
-            raise InvalidRequest("AddSampleRequest without a trial_sample")
-        yield request.trial_sample
+def _stored_sample(request: trial_datastore_pb2.AddSampleRequest) -> trial_datastore_pb2.StoredTrialSample:
+    if not request.HasField("trial_sample"):
+        raise InvalidRequest("AddSampleRequest without a trial_sample")
+    return request.trial_sample
 
 
 def add_datastore_servicers(
@@ -146,7 +145,7 @@ class TrialDatastoreServicer(VersionStatusMixin):
     ) -> trial_datastore_pb2.AddSamplesReply:
         try:
             ingestion = await self.datastore.open_samples(_single_trial_id(context))
-            async for _ in ingestion.ingest_stored(_stored_samples(request_iterator)):
+            async for _ in ingestion.ingest_stored(request_iterator, _stored_sample):
                 pass
         except DatastoreError as error:
             await _abort(context, error)
@@ -160,12 +159,13 @@ class TrialDatastoreServicer(VersionStatusMixin):
 
 
 class DatalogIngestion:
-    """RunTrialDatalog of both ingestion services: yields once per input message, once committed."""
+    """RunTrialDatalog of both ingestion services: yields how many more input messages are
+    committed, as they are (the trial parameters count as one)."""
 
     def __init__(self, datastore: TrialDatastore) -> None:
         self.datastore = datastore
 
-    async def run(self, requests: AsyncIterator[DatalogInput], context: Any) -> AsyncIterator[None]:
+    async def run(self, requests: AsyncIterator[DatalogInput], context: Any) -> AsyncIterator[int]:
         ids = _header_values(context, "trial-id")
         if not ids:
             raise InvalidRequest('DatalogServer.RunTrialDatalog: missing required header "trial-id"')
@@ -181,9 +181,9 @@ class DatalogIngestion:
             ids[0], users[0] if users else "", first.trial_params
         )
         try:
-            yield None
-            async for _ in ingestion.ingest_datalog(_datalog_samples(requests)):
-                yield None
+            yield 1
+            async for committed in ingestion.ingest_datalog(requests, _datalog_sample):
+                yield committed
         finally:
             await ingestion.close()
 
@@ -197,8 +197,9 @@ class DatalogServicer(VersionStatusMixin):
         self, request_iterator: AsyncIterator[datalog_pb2.RunTrialDatalogInput], context: Any
     ) -> AsyncIterator[datalog_pb2.RunTrialDatalogOutput]:
         try:
-            async for _ in self.ingestion.run(request_iterator, context):
-                yield datalog_pb2.RunTrialDatalogOutput()
+            async for committed in self.ingestion.run(request_iterator, context):
+                for _ in range(committed):
+                    yield ACKNOWLEDGEMENT
         except DatastoreError as error:
             await _abort(context, error)
 

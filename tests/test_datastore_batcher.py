@@ -1,0 +1,87 @@
+"""Group commit of ingested samples (`SampleBatcher`) on a real database: batches bounded in size,
+each stream's samples in order and counted as committed, the close marker written once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.datastore.batcher import NO_STATE, IngestionBuffer, SampleBatcher
+from services.datastore.store import DatastoreStore, SampleAppend
+from shared.api import common_pb2
+from shared.db import Database
+from shared.notify import ChangeFeed
+
+
+class RecordingStore(DatastoreStore):
+    """The real store, remembering the size of every batch it was given."""
+
+    batches: list[list[SampleAppend]]
+
+    async def append(self, appends: list[SampleAppend]) -> list[int | None]:  # type: ignore[override]
+        self.batches.append(list(appends))
+        return await super().append(appends)
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[RecordingStore]:
+    database = Database(database_url)
+    await database.migrate()
+    store = RecordingStore(database, ChangeFeed(database, "test"))
+    store.batches = []
+    yield store
+    await database.close()
+
+
+async def _settled(buffer: IngestionBuffer) -> None:
+    while buffer.failure is None and (buffer.committed < buffer.submitted or buffer.has_work()):
+        await buffer.progressed.wait()
+        buffer.progressed.clear()
+
+
+async def test_batches_are_bounded_and_streams_keep_their_order(store: RecordingStore) -> None:
+    seqs = [await store.upsert_trial(f"t{index}", "u", b"", {}, 0) for index in range(3)]
+    batcher = SampleBatcher(store, max_samples=50)
+    batcher.start()
+    buffers = [batcher.open(seq) for seq in seqs]
+    for number in range(120):
+        for buffer in buffers:
+            buffer.add(f"{buffer.trial_seq}:{number}".encode(), common_pb2.RUNNING)
+    buffers[1].add(b"end", common_pb2.ENDED)
+    for buffer in buffers:
+        buffer.close()
+    await asyncio.wait_for(asyncio.gather(*(_settled(buffer) for buffer in buffers)), 30)
+    await batcher.stop()
+
+    assert all(sum(len(a.samples) for a in batch) <= 50 for batch in store.batches)
+    assert [buffer.committed for buffer in buffers] == [120, 121, 120]
+    assert all(buffer.closed for buffer in buffers)
+    # One close marker per stream, after its last sample.
+    closes = [a.trial_seq for batch in store.batches for a in batch if a.close]
+    assert sorted(closes) == sorted(seqs)
+    for buffer in buffers:
+        stored = await store.read_samples(buffer.trial_seq, 0, 1000)
+        expected = [f"{buffer.trial_seq}:{n}".encode() for n in range(120)]
+        assert stored == expected + ([b"end"] if buffer is buffers[1] else [])
+    progress = [await store.progress(seq) for seq in seqs]
+    assert [(p.samples_count, p.ended, p.closed) for p in progress if p] == [
+        (120, False, True),
+        (121, True, True),
+        (120, False, True),
+    ]
+
+
+async def test_a_deleted_trial_fails_its_stream_only(store: RecordingStore) -> None:
+    kept, deleted = [await store.upsert_trial(name, "u", b"", {}, 0) for name in ["kept", "deleted"]]
+    batcher = SampleBatcher(store)
+    batcher.start()
+    await store.delete_trials(["deleted"])
+    buffers = [batcher.open(kept), batcher.open(deleted)]
+    for buffer in buffers:
+        buffer.add(b"x", NO_STATE)
+    await asyncio.wait_for(asyncio.gather(*(_settled(buffer) for buffer in buffers)), 30)
+    await batcher.stop()
+    assert buffers[0].committed == 1 and buffers[0].failure is None
+    assert buffers[1].committed == 0 and buffers[1].failure is not None
