@@ -26,6 +26,10 @@ Behaviour:
   self-discovery: the first non-loopback IPv4 address of the host name (as the reference), else the
   local address of the route to the directory if that is not loopback. When all fail, the
   reference exits; here an error is logged and the service keeps serving, unregistered.
+* TLS: with `--directory_tls_ca` the directory is reached over TLS, its certificate checked
+  against that CA bundle; `--directory_tls_cert` and `--directory_tls_key` add a client
+  certificate for a directory that requires one (mTLS). An unreadable file is logged as an error
+  and the service keeps serving, unregistered. (The reference only spoke plaintext.)
 * `stop()` cancels a registration still in progress and deregisters every registration made, on
   one Deregister stream with a 10 s deadline; failures are only logged. A registration the
   directory accepted but whose reply was cut off by `stop()` is not known here; as it is not
@@ -42,6 +46,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -122,7 +127,41 @@ def registration_options(service_env_name: str) -> list[Option]:
             "",
             f"{prefix}_DIRECTORY_REGISTRATION_PROPERTIES",
         ),
+        Option(
+            "directory_tls_ca",
+            "PEM CA bundle to check the directory's certificate with: reach it over TLS",
+            "",
+            f"{prefix}_DIRECTORY_TLS_CA",
+        ),
+        Option(
+            "directory_tls_cert",
+            "PEM client certificate presented to a directory that requires one (mTLS)",
+            "",
+            f"{prefix}_DIRECTORY_TLS_CERT",
+        ),
+        Option(
+            "directory_tls_key",
+            "PEM private key of the client certificate",
+            "",
+            f"{prefix}_DIRECTORY_TLS_KEY",
+        ),
     ]
+
+
+@dataclass(frozen=True)
+class DirectoryTls:
+    """How to reach a directory over TLS: files, read when registration starts."""
+
+    ca: str
+    cert: str = ""
+    key: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Raises OSError (naming the file) when one cannot be read."""
+        ca = Path(self.ca).read_bytes()
+        cert = Path(self.cert).read_bytes() if self.cert else None
+        key = Path(self.key).read_bytes() if self.key else None
+        return grpc.ssl_channel_credentials(ca, key, cert)
 
 
 @dataclass(frozen=True)
@@ -182,6 +221,7 @@ class DirectoryRegistration:
         properties: Mapping[str, str] | None = None,
         bind_address: str = "",
         ssl: bool = False,
+        directory_tls: DirectoryTls | None = None,
         deregister_timeout_s: float = DEREGISTER_TIMEOUT_S,
         attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
         retry_max_s: float = RETRY_MAX_S,
@@ -197,6 +237,7 @@ class DirectoryRegistration:
         bind_address = bind_address.strip()
         self.bind_address = "" if bind_address in _WILDCARD_ADDRESSES else bind_address.strip("[]")
         self.protocol = directory_pb2.ServiceEndpoint.GRPC_SSL if ssl else directory_pb2.ServiceEndpoint.GRPC
+        self.directory_tls = directory_tls
         self.deregister_timeout_s = deregister_timeout_s
         self.attempt_timeout_s = attempt_timeout_s
         self.retry_max_s = retry_max_s
@@ -218,9 +259,18 @@ class DirectoryRegistration:
         except ValueError as error:
             log.warning("ignoring the directory registration properties", properties=text, error=str(error))
             properties = {}
+        tls_ca = values.get("directory_tls_ca") or ""
+        directory_tls = (
+            DirectoryTls(
+                tls_ca, values.get("directory_tls_cert") or "", values.get("directory_tls_key") or ""
+            )
+            if tls_ca
+            else None
+        )
         return cls(
             values.get("directory_endpoint") or "",
             service_types,
+            directory_tls=directory_tls,
             authentication_token=values.get("directory_authentication_token") or "",
             host=values.get("directory_registration_host") or "",
             properties=properties,
@@ -245,15 +295,25 @@ class DirectoryRegistration:
         if self._task is not None:
             raise RuntimeError("directory registration already started")
         assert self.endpoint is not None
-        self._channel = grpc.aio.insecure_channel(
-            self.endpoint.address,
-            options=[
-                # Reconnect soon after the directory comes (back) up, not after gRPC's up to 2 min.
-                ("grpc.initial_reconnect_backoff_ms", int(RETRY_INITIAL_S * 1000)),
-                ("grpc.min_reconnect_backoff_ms", int(RETRY_INITIAL_S * 1000)),
-                ("grpc.max_reconnect_backoff_ms", int(self.retry_max_s * 1000)),
-            ],
-        )
+        options = [
+            # Reconnect soon after the directory comes (back) up, not after gRPC's up to 2 min.
+            ("grpc.initial_reconnect_backoff_ms", int(RETRY_INITIAL_S * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(RETRY_INITIAL_S * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.retry_max_s * 1000)),
+        ]
+        if self.directory_tls is None:
+            self._channel = grpc.aio.insecure_channel(self.endpoint.address, options=options)
+        else:
+            try:
+                credentials = self.directory_tls.credentials()
+            except OSError as error:
+                self._log.error(
+                    "cannot read the directory TLS files: the service is not registered",
+                    file=error.filename,
+                    error=error.strerror,
+                )
+                return
+            self._channel = grpc.aio.secure_channel(self.endpoint.address, credentials, options=options)
         self._task = asyncio.get_running_loop().create_task(
             self._register(port), name="directory-registration"
         )

@@ -55,6 +55,14 @@ def service_options(env_prefix: str, default_port: int) -> list[Option]:
             "grpc_reflection", "serve gRPC reflection", False, f"{env_prefix}_GRPC_REFLECTION", parse_bool
         ),
         Option(
+            "health_port",
+            "also serve grpc.health.v1, in plaintext, on this port (for Kubernetes' gRPC probes, "
+            "which cannot speak TLS); off when unset",
+            None,
+            f"{env_prefix}_HEALTH_PORT",
+            port_number,
+        ),
+        Option(
             "metrics_port",
             "serve Prometheus metrics over HTTP on this port (off when unset)",
             None,
@@ -477,6 +485,22 @@ def _bind(server: grpc.aio.Server, values: dict[str, Any]) -> int:
     return int(port)
 
 
+def _bind_health(values: dict[str, Any], health: HealthServicer) -> grpc.aio.Server | None:
+    """The plaintext server of `--health_port`: the health service alone."""
+    if values["health_port"] is None:
+        return None
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = f"{values['bind_address']}:{values['health_port']}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise StartupError(f"could not listen on {address} (--health_port): in use, or not an address")
+    return server
+
+
 def _serve_metrics(values: dict[str, Any]) -> int | None:
     if values["metrics_port"] is None:
         return None
@@ -500,8 +524,10 @@ async def serve(
     values = service.values
     # No SO_REUSEPORT: a second instance on a port in use must fail, not share the connections.
     server = grpc.aio.server(interceptors=[ObservabilityInterceptor()], options=[("grpc.so_reuseport", 0)])
+    health = HealthServicer()
     try:
         port = _bind(server, values)
+        health_server = _bind_health(values, health)
         metrics_port = _serve_metrics(values)
     except StartupError as error:
         log.error("cannot start", service=service.name, error=str(error))
@@ -525,7 +551,6 @@ async def serve(
 
     try:
         service.add_servicers(server, runtime)
-        health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         names = list(service.grpc_service_names)
         if values["grpc_reflection"]:
@@ -534,6 +559,8 @@ async def serve(
                 server,
             )
         await server.start()
+        if health_server is not None:
+            await health_server.start()
         # Start-up objects (modules, protos, SQL metadata) live as long as the process: keep them
         # out of the collector's full passes, which otherwise show up as latency spikes.
         gc.freeze()
@@ -560,6 +587,8 @@ async def serve(
         await service.on_shutdown()
     finally:
         await server.stop(values["shutdown_grace"])
+        if health_server is not None:
+            await health_server.stop(None)
         await service.stop()
         await load.stop()
         for sig in signals:

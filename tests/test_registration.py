@@ -15,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 import shared.registration as registration_module
-from shared.api import common_pb2, directory_pb2
+from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
 from shared.config import parse_options
 from shared.endpoints import ServiceType, parse_grpc_endpoint
 from shared.registration import (
@@ -27,6 +27,7 @@ from shared.registration import (
 )
 from shared.server import PACKAGE_VERSION
 from tests.conftest import DirectoryFactory, RunningDirectory
+from tests.helpers.tls import make_pki, openssl_available
 
 MODEL_REGISTRY = directory_pb2.MODEL_REGISTRY_SERVICE
 WAIT_S = 15.0
@@ -369,3 +370,46 @@ def test_invalid_directory_endpoint_is_a_usage_error(capsys: pytest.CaptureFixtu
 def test_invalid_endpoint_given_directly() -> None:
     with pytest.raises(ValueError, match="missing port"):
         DirectoryRegistration("grpc://localhost", [MODEL_REGISTRY])
+
+
+@pytest.mark.skipif(not openssl_available(), reason="needs the openssl command to make certificates")
+async def test_registers_in_a_directory_that_requires_mtls(
+    directory_factory: DirectoryFactory, service_port: int, tmp_path: Path
+) -> None:
+    pki = make_pki(tmp_path / "pki")
+    server_tls = ["--tls_cert", str(pki.server.cert), "--tls_key", str(pki.server.key)]
+    async with directory_factory(*server_tls, "--tls_client_ca", str(pki.ca)) as directory:
+        values = {
+            "directory_endpoint": f"grpc://{directory.address}",
+            "directory_registration_host": "127.0.0.1",
+            "directory_tls_ca": str(pki.ca),
+            "directory_tls_cert": str(pki.client.cert),
+            "directory_tls_key": str(pki.client.key),
+        }
+        registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+        await registration.start(service_port)
+        await asyncio.wait_for(registration.wait(), WAIT_S)
+        assert len(registration.registered) == 1
+        async with grpc.aio.secure_channel(directory.address, pki.channel_credentials(pki.client)) as channel:
+            stub = directory_pb2_grpc.DirectorySPStub(channel)
+            request = directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=MODEL_REGISTRY))
+            assert len([reply async for reply in stub.Inquire(request, timeout=5)]) == 1
+            await registration.stop()
+            assert [reply async for reply in stub.Inquire(request, timeout=5)] == []
+
+
+async def test_unreadable_directory_tls_files_leave_the_service_unregistered(
+    directory: RunningDirectory, tmp_path: Path
+) -> None:
+    values = {
+        "directory_endpoint": f"grpc://{directory.address}",
+        "directory_registration_host": "127.0.0.1",
+        "directory_tls_ca": str(tmp_path / "missing-ca.pem"),
+    }
+    registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+    with capture_logs() as logs:
+        await registration.start(1234)
+        await asyncio.wait_for(registration.wait(), WAIT_S)
+    assert registration.registered == []
+    assert any(entry["log_level"] == "error" and "missing-ca.pem" in str(entry.get("file")) for entry in logs)
+    await registration.stop()

@@ -200,6 +200,35 @@ async def test_health_check_serving_for_server_and_directory(tmp_path: Path) -> 
         watch.cancel()
 
 
+async def test_health_port_answers_in_plaintext_beside_a_tls_port(tmp_path: Path, pki: Pki) -> None:
+    """What Kubernetes' gRPC probes (no TLS) need from a service that serves TLS."""
+    health_port = free_port()
+    flags = [*tls_flags(pki, mtls=True), "--health_port", str(health_port)]
+    async with (
+        in_process(tmp_path, *flags),
+        grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", DIRECTORY_SP):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+        # Nothing else is served there.
+        version = directory_pb2_grpc.DirectorySPStub(channel).Version(common_pb2.VersionRequest(), timeout=5)
+        assert await aio_code(version) == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_taken_health_port_exits_before_serving(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        health_port = taken.getsockname()[1]
+        args = ["--port", "0", "--bind_address", "127.0.0.1", "--log_format", "json"]
+        result = run_to_exit([*args, "--health_port", str(health_port), *database_flags(tmp_path)])
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and '"serving"' not in result.stderr
+    assert "--health_port" in result.stderr
+
+
 # ---- 2. reflection ----
 
 
