@@ -411,3 +411,11 @@ async def test_ingestion_through_two_replicas_keeps_each_trials_order(postgres_u
         reply = await list_trials(second)
         assert sorted(i.trial_id for i in reply.trial_infos) == sorted(trial_ids)
         assert {i.samples_count for i in reply.trial_infos} == {100}
+
+
+async def test_every_message_of_long_concurrent_streams_is_acknowledged(datastore: RunningDatastore) -> None:
+    """Commits land while acknowledgements are being sent: none may be skipped or doubled."""
+    counts = await asyncio.gather(*(run_datalog(datastore, f"long-{i}", full_trial(1500)) for i in range(4)))
+    assert counts == [1501] * 4
+    reply = await list_trials(datastore)
+    assert {info.samples_count for info in reply.trial_infos} == {1500}

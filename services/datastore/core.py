@@ -129,9 +129,10 @@ class Ingestion:
                 room.set()
                 if buffer.failure is not None:
                     raise self._failure(buffer.failure)
-                if buffer.committed > acknowledged:
-                    yield buffer.committed - acknowledged
-                    acknowledged = buffer.committed
+                committed = buffer.committed  # once: more may commit while the acks go out
+                if committed > acknowledged:
+                    yield committed - acknowledged
+                    acknowledged = committed
                 if not reading and acknowledged == buffer.submitted:
                     if read_failure:
                         raise read_failure[0]
