@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run test check-generated lint typecheck pytest generate bench
+.PHONY: install run test check-generated lint typecheck pytest generate bench bench-registry bench-datastore
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,9 @@ generate: install
 
 bench: install
 	$(BIN)/python bench/directory.py
+
+bench-registry: install
+	$(BIN)/python bench/model_registry.py
+
+bench-datastore: install
+	$(BIN)/python bench/datastore.py

@@ -28,108 +28,50 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import resource
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-if str(PROJECT_ROOT) not in sys.path:  # run as a script: `tests` is not an installed package
-    sys.path.insert(0, str(PROJECT_ROOT))
+SCRIPT = Path(__file__).resolve()
+if str(SCRIPT.parents[1]) not in sys.path:  # run as a script: `tests` and `bench` are not installed packages
+    sys.path.insert(0, str(SCRIPT.parents[1]))
 
 from minio import Minio  # noqa: E402
 
+from bench.common import (  # noqa: E402
+    BLOCK_SIZE,
+    MiB,
+    RssSampler,
+    chunks_of,
+    direct_download,
+    direct_upload,
+    sha256_b64,
+)
 from services.model_registry.blobstore import DEFAULT_PART_SIZE, DEFAULT_UPLOAD_CONCURRENCY, S3BlobStore  # noqa: E402
 from tests.fixtures.seaweedfs import SeaweedS3  # noqa: E402
 
-MiB = 1 << 20
-BLOCK_SIZE = 16 * MiB  # the random block the data repeats
 TARGET_UPLOAD_RATIO = 0.7
 TARGET_DOWNLOAD_RATIO = 0.8
 TARGET_RSS_GROWTH_MIB = 100.0
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+RSS_INTERVAL_S = 0.002
 
 
-def _rss() -> int:
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * _PAGE_SIZE
+class ByteCount:
+    """Bytes received: the downloads are checked on their size alone, both ways (hashing them
+    would add the same CPU time to both sides' client CPU figures and blur their difference)."""
 
+    def __init__(self) -> None:
+        self.size = 0
 
-class RssSampler:
-    """Peak RSS of this process, sampled by a thread (the kernel's high-water mark cannot be reset
-    per phase without privileges on every system)."""
-
-    def __init__(self, interval_s: float = 0.002) -> None:
-        self.interval_s = interval_s
-        self.peak = self.baseline = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, _rss())
-
-    @contextmanager
-    def phase(self, into: dict[str, float]) -> Iterator[None]:
-        start = _rss()
-        self.peak = start
-        began, cpu = time.perf_counter(), time.process_time()
-        yield
-        into["seconds"] = time.perf_counter() - began
-        into["cpu_seconds"] = time.process_time() - cpu
-        peak = max(self.peak, _rss())
-        into["rss_growth_mib"] = (peak - start) / MiB
-        into["rss_over_baseline_mib"] = (peak - self.baseline) / MiB
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class RepeatingReader:
-    """A file-like source of `size` bytes: `block` over and over."""
-
-    def __init__(self, block: bytes, size: int) -> None:
-        self._block = block
-        self._size = size
-        self._offset = 0
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._size - self._offset if n < 0 else min(n, self._size - self._offset)
-        pieces = []
-        while n > 0:
-            start = self._offset % len(self._block)
-            piece = self._block[start : start + n]
-            pieces.append(piece)
-            self._offset += len(piece)
-            n -= len(piece)
-        if not pieces:
-            return b""  # at the end
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-def chunks_of(block: bytes, size: int, chunk_size: int) -> Iterator[bytes]:
-    reader = RepeatingReader(block, size)
-    while chunk := reader.read(chunk_size):
-        yield chunk
-
-
-def expected_sha256(block: bytes, size: int) -> str:
-    import base64
-
-    hasher = hashlib.sha256()
-    for chunk in chunks_of(block, size, BLOCK_SIZE):
-        hasher.update(chunk)
-    return base64.b64encode(hasher.digest()).decode()
+    def update(self, chunk: bytes) -> None:
+        self.size += len(chunk)
 
 
 async def store_upload(store: S3BlobStore, key: str, block: bytes, size: int, chunk_size: int) -> str:
@@ -143,28 +85,9 @@ async def store_upload(store: S3BlobStore, key: str, block: bytes, size: int, ch
     return sha256
 
 
-async def store_download(store: S3BlobStore, key: str, chunk_size: int) -> int:
-    total = 0
+async def store_download(store: S3BlobStore, key: str, chunk_size: int, received: ByteCount) -> None:
     async for chunk in store.read(key, chunk_size):
-        total += len(chunk)
-    return total
-
-
-def direct_upload(client: Minio, bucket: str, name: str, block: bytes, size: int, part_size: int) -> None:
-    source = cast(BinaryIO, RepeatingReader(block, size))  # minio only calls read()
-    client.put_object(bucket, name, source, size, part_size=part_size)
-
-
-def direct_download(client: Minio, bucket: str, name: str, chunk_size: int) -> int:
-    total = 0
-    response = client.get_object(bucket, name)
-    try:
-        while chunk := response.read(chunk_size):
-            total += len(chunk)
-    finally:
-        response.close()
-        response.release_conn()
-    return total
+        received.update(chunk)
 
 
 async def run(args: argparse.Namespace, server: SeaweedS3) -> dict[str, Any]:
@@ -172,7 +95,7 @@ async def run(args: argparse.Namespace, server: SeaweedS3) -> dict[str, Any]:
     part_size = args.part_mib * MiB
     read_chunk = args.read_chunk_kib * 1024
     block = os.urandom(BLOCK_SIZE)
-    sha256 = expected_sha256(block, size)
+    sha256 = sha256_b64(block, size)
     bucket = "bench-blobstore"
     store = S3BlobStore(
         server.endpoint,
@@ -185,7 +108,7 @@ async def run(args: argparse.Namespace, server: SeaweedS3) -> dict[str, Any]:
     )
     await store.start()
     client = Minio(server.endpoint, server.access_key, server.secret_key, secure=False)
-    sampler = RssSampler()
+    sampler = RssSampler(os.getpid(), RSS_INTERVAL_S)
     phases: dict[str, list[dict[str, float]]] = {
         "store_upload": [],
         "direct_upload": [],
@@ -193,19 +116,30 @@ async def run(args: argparse.Namespace, server: SeaweedS3) -> dict[str, Any]:
         "direct_download": [],
     }
 
-    def measure(name: str) -> Any:
-        phases[name].append({})
-        return sampler.phase(phases[name][-1])
+    @contextmanager
+    def measure(name: str) -> Iterator[None]:
+        """Wall time, CPU time (this process, all threads) and RSS of one run of a phase."""
+        into: dict[str, float] = {}
+        phases[name].append(into)
+        start = sampler.reset()
+        began, cpu = time.perf_counter(), time.process_time()
+        yield
+        into["seconds"] = time.perf_counter() - began
+        into["cpu_seconds"] = time.process_time() - cpu
+        peak = sampler.peak_now()
+        into["rss_growth_mib"] = (peak - start) / MiB
+        into["rss_over_baseline_mib"] = (peak - sampler.baseline) / MiB
 
     try:
         # Untimed: SeaweedFS allocates its volumes on the first writes.
         print("warm-up...", file=sys.stderr)
         await asyncio.to_thread(direct_upload, client, bucket, "warmup", block, size, part_size)
-        await asyncio.to_thread(direct_download, client, bucket, "warmup", read_chunk)
+        await asyncio.to_thread(direct_download, client, bucket, "warmup", read_chunk, ByteCount().update)
         await asyncio.to_thread(client.remove_object, bucket, "warmup")
 
         async def phase(name: str, round_: int) -> None:
             key, direct_name = f"versions/bench/{round_}", f"direct/{round_}"
+            received = ByteCount()
             with measure(name):
                 if name == "store_upload":
                     got = await store_upload(store, key, block, size, args.chunk_kib * 1024)
@@ -214,13 +148,15 @@ async def run(args: argparse.Namespace, server: SeaweedS3) -> dict[str, Any]:
                         direct_upload, client, bucket, direct_name, block, size, part_size
                     )
                 elif name == "store_download":
-                    total = await store_download(store, key, read_chunk)
+                    await store_download(store, key, read_chunk, received)
                 else:
-                    total = await asyncio.to_thread(direct_download, client, bucket, direct_name, read_chunk)
+                    await asyncio.to_thread(
+                        direct_download, client, bucket, direct_name, read_chunk, received.update
+                    )
             if name == "store_upload" and got != sha256:
                 raise RuntimeError(f"store reported SHA-256 {got}, expected {sha256}")
-            if name.endswith("download") and total != size:
-                raise RuntimeError(f"{name} got {total} bytes, not {size}")
+            if name.endswith("download") and received.size != size:
+                raise RuntimeError(f"{name} got {received.size} bytes, not {size}")
 
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}...", file=sys.stderr)

@@ -46,33 +46,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import functools
 import json
 import math
 import os
-import queue
 import random
 import secrets
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import Any, TextIO
+from typing import Any
 
-import grpc
-
-from shared.api import common_pb2, directory_pb2
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
+if str(SCRIPT.parents[1]) not in sys.path:  # run as a script: `bench` is not an installed package
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+
+import grpc  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    CHANNEL_OPTIONS,
+    READY_TIMEOUT_S,
+    START_TIMEOUT_S,
+    Child,
+    Plan,
+    emit,
+    fmt,
+    pin,
+    pinned_plan,
+    print_table,
+    run_benchmark,
+    serve_bare,
+    start_server,
+    stdin_lines,
+)
+from shared.api import common_pb2, directory_pb2  # noqa: E402
 
 REGISTER = "/cogmentAPI.DirectorySP/Register"
 DEREGISTER = "/cogmentAPI.DirectorySP/Deregister"
@@ -80,12 +90,7 @@ INQUIRE = "/cogmentAPI.DirectorySP/Inquire"
 STATUS = "/cogmentAPI.DirectorySP/Status"
 TOKEN_METADATA_KEY = "authentication-token"
 
-# Each client gets its own connection (by default grpc shares one subchannel per target).
-CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
 RPC_TIMEOUT_S = 10.0
-START_TIMEOUT_S = 60.0
-READY_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 15.0
 GO_DELAY_S = 0.2
 # A worker gives up on a phase after this long past its planned end (bounded in time).
 WORKER_GRACE_S = 30.0
@@ -187,7 +192,7 @@ def all_registrations(groups: Sequence[Group]) -> list[directory_pb2.RegisterReq
     return [registration_request(group, member) for group in groups for member in range(group.size)]
 
 
-# ---- small helpers shared by every process ----
+# ---- small helpers ----
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float | None:
@@ -211,26 +216,6 @@ def latency_summary(latencies_us: Sequence[int]) -> dict[str, float | None]:
         "max": ms(float(values[-1]) if values else None),
         "mean": ms(sum(values) / len(values) if values else None),
     }
-
-
-def emit(message: dict[str, Any], stream: TextIO = sys.stdout) -> None:
-    stream.write(json.dumps(message, separators=(",", ":")) + "\n")
-    stream.flush()
-
-
-def stdin_lines(loop: asyncio.AbstractEventLoop) -> asyncio.Queue[str]:
-    """Lines of stdin ("" at EOF) read by a daemon thread, so that a blocked read never keeps
-    the process alive (the orchestrator closing the pipe, or dying, means stop)."""
-    lines: asyncio.Queue[str] = asyncio.Queue()
-
-    def read() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed first: nobody is listening
-            for line in sys.stdin:
-                loop.call_soon_threadsafe(lines.put_nowait, line)
-            loop.call_soon_threadsafe(lines.put_nowait, "")
-
-    threading.Thread(target=read, name="stdin", daemon=True).start()
-    return lines
 
 
 def metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -476,7 +461,6 @@ def bare_reply() -> directory_pb2.InquireReply:
 
 
 async def bare_main() -> int:
-    loop = asyncio.get_running_loop()
     reply = bare_reply()
 
     async def inquire(
@@ -494,182 +478,10 @@ async def bare_main() -> int:
             )
         },
     )
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    lines = stdin_lines(loop)
-    emit({"event": "serving", "level": "info", "service": "bare", "port": port}, sys.stderr)
-    eof = loop.create_task(lines.get())
-    stopped = loop.create_task(stop.wait())
-    await asyncio.wait([eof, stopped], return_when=asyncio.FIRST_COMPLETED)
-    eof.cancel()
-    stopped.cancel()
-    await server.stop(1.0)
-    return 0
+    return await serve_bare([handler])
 
 
 # ---- the orchestrator ----
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process (all its threads), from /proc (Linux)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pin(pid: int, cpus: set[int] | None) -> None:
-    """Pin every thread of a process (sched_setaffinity applies to one thread)."""
-    if not cpus:
-        return
-    try:
-        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, cpus)
-
-
-class Child:
-    """A subprocess of the benchmark whose JSON lines (stdout or stderr) are collected."""
-
-    registry: list[Child] = []
-
-    def __init__(
-        self,
-        name: str,
-        command: list[str],
-        *,
-        messages_on: str,
-        cpus: set[int] | None,
-        log_path: Path,
-    ) -> None:
-        self.name = name
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
-        self.process = subprocess.Popen(
-            command,
-            cwd=PROJECT_ROOT,
-            env=environment,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE if messages_on == "stdout" else subprocess.DEVNULL,
-            stderr=subprocess.PIPE if messages_on == "stderr" else None,
-            text=True,
-        )
-        Child.registry.append(self)
-        self.cpus = cpus
-        pin(self.process.pid, cpus)
-        self.messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.problems: list[dict[str, Any]] = []
-        self.log_path = log_path
-        self.address = ""  # host:port, for servers
-        stream = self.process.stdout if messages_on == "stdout" else self.process.stderr
-        assert stream is not None
-        self._reader = threading.Thread(target=self._read, args=(stream,), name=name, daemon=True)
-        self._reader.start()
-
-    def _read(self, stream: TextIO) -> None:
-        with self.log_path.open("a", encoding="utf-8") as log:
-            for raw in stream:
-                log.write(raw)
-                self.tail.append(raw.rstrip("\n")[:2000])
-                try:
-                    message = json.loads(raw)
-                except ValueError:
-                    continue
-                if not isinstance(message, dict):
-                    continue
-                if message.get("level") in ("warning", "error", "critical"):
-                    self.problems.append(message)
-                self.messages.put(message)
-        self.messages.put(None)
-
-    def expect(self, key: str, timeout_s: float) -> dict[str, Any]:
-        """The next message with `key` set; fails on timeout or when the child exits first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BenchError(f"{self.name}: no {key!r} within {timeout_s:.0f} s", self)
-            try:
-                message = self.messages.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if message is None:
-                self.process.wait(5)
-                raise BenchError(f"{self.name} exited (status {self.process.returncode})", self)
-            if message.get(key) is not None or message.get("event") == key:
-                return message
-
-    def send(self, message: dict[str, Any]) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(message, separators=(",", ":")) + "\n")
-        self.process.stdin.flush()
-
-    def cpu_seconds(self) -> float | None:
-        return cpu_seconds(self.process.pid)
-
-    def stop(self, sig: int = signal.SIGTERM, exit_wait_s: float = 0.0) -> int | None:
-        """Close stdin, give it `exit_wait_s` to exit by itself, then signal, wait, and kill
-        when it does not stop in time."""
-        if self.process.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.process.stdin.close()
-        if exit_wait_s:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(exit_wait_s)
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self.process.send_signal(sig)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self._reader.join(5)
-        if self in Child.registry:
-            Child.registry.remove(self)
-        return self.process.returncode
-
-    @classmethod
-    def stop_all(cls) -> None:
-        for child in reversed(list(cls.registry)):
-            with contextlib.suppress(Exception):
-                child.stop()
-
-
-class BenchError(Exception):
-    def __init__(self, message: str, child: Child | None = None) -> None:
-        if child is not None:
-            message += f"\n--- last lines of {child.name} ({child.log_path}) ---\n" + "\n".join(child.tail)
-        super().__init__(message)
-
-
-@dataclass
-class Plan:
-    args: argparse.Namespace
-    workdir: Path
-    token: str
-    server_cpus: set[int] | None
-    client_cpus: set[int] | None
-
-
-def start_server(plan: Plan, name: str, command: list[str]) -> Child:
-    server = Child(
-        name, command, messages_on="stderr", cpus=plan.server_cpus, log_path=plan.workdir / f"{name}.log"
-    )
-    message = server.expect("serving", START_TIMEOUT_S)
-    server.address = f"127.0.0.1:{int(message['port'])}"
-    pin(server.process.pid, plan.server_cpus)  # again: threads started since then
-    return server
 
 
 def status_value(address: str, name: str) -> str | None:
@@ -847,25 +659,6 @@ def write_phase(plan: Plan, server: Child, role: str, outcomes: list[list[Any]] 
     return result
 
 
-def choose_cpus(enabled: bool) -> tuple[set[int] | None, set[int] | None]:
-    if not enabled or not hasattr(os, "sched_getaffinity"):
-        return None, None
-    available = sorted(os.sched_getaffinity(0))
-    if len(available) < 2:
-        return None, None
-    return {available[0]}, set(available[1:])
-
-
-def fmt(value: Any, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if unit == "%" or abs(value) >= 100:
-            return f"{value:,.1f}{unit}"
-        return f"{value:.3g}{unit}" if abs(value) < 1 else f"{value:.2f}{unit}"
-    return f"{value:,}{unit}" if isinstance(value, int) else f"{value}{unit}"
-
-
 def print_summary(report: dict[str, Any]) -> None:
     out = sys.stdout
     reg = report["register"]
@@ -906,17 +699,7 @@ def print_summary(report: dict[str, Any]) -> None:
                     fmt(phase["client_cpu_pct"], "%"),
                 )
             )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for number, row in enumerate(rows):
-        print(
-            "  ".join(
-                cell.ljust(w) if i == 0 else cell.rjust(w)
-                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-            ),
-            file=out,
-        )
-        if number == 0:
-            print("  ".join("-" * w for w in widths), file=out)
+    print_table(rows, 1, out)
     print("", file=out)
     d, b = report["inquire_directory"], report["inquire_bare"]
     bare_replies = fmt(b["replies_per_call"]) if b else "-"
@@ -1017,11 +800,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    server_cpus, client_cpus = choose_cpus(not args.no_pin)
-    if client_cpus:
-        os.sched_setaffinity(0, client_cpus)  # the orchestrator stays off the server's CPU
     token = f"bench-{secrets.token_hex(8)}" if args.token is None else args.token
-    plan = Plan(args, workdir, token, server_cpus, client_cpus)
+    plan = pinned_plan(args, workdir, token, not args.no_pin)
+    server_cpus, client_cpus = plan.server_cpus, plan.client_cpus
     database_url = args.database_url or f"sqlite+aiosqlite:///{workdir / 'bench.db'}"
     database = database_url.split(":", 1)[0]
     command = [
@@ -1092,42 +873,6 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def orchestrate(argv: Sequence[str] | None) -> int:
     return run_benchmark(parse_args(argv), "directory", run, print_summary)
-
-
-def run_benchmark(
-    args: argparse.Namespace,
-    name: str,
-    run: Callable[[argparse.Namespace, Path], dict[str, Any]],
-    print_summary: Callable[[dict[str, Any]], None],
-) -> int:
-    """Run one benchmark in a work directory of its own: stop its processes whatever happens,
-    keep its logs when it fails (or with --keep), print the summary and the JSON report."""
-
-    def terminate(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGHUP, terminate)
-    workdir = Path(tempfile.mkdtemp(prefix=f"cogment-bench-{name}-"))
-    try:
-        report = run(args, workdir)
-    except BenchError as error:
-        print(f"benchmark failed: {error}", file=sys.stderr)
-        print(f"(logs kept in {workdir})", file=sys.stderr)
-        args.keep = True
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        Child.stop_all()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print_summary(report)
-    if args.keep:
-        print(f"logs and database kept in {workdir}", file=sys.stderr)
-    print(json.dumps(report, separators=(",", ":")))
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,33 +51,45 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, cast
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-if str(PROJECT_ROOT) not in sys.path:  # run as a script: `tests` and `bench` are not installed packages
-    sys.path.insert(0, str(PROJECT_ROOT))
+SCRIPT = Path(__file__).resolve()
+if str(SCRIPT.parents[1]) not in sys.path:  # run as a script: `tests` and `bench` are not installed packages
+    sys.path.insert(0, str(SCRIPT.parents[1]))
 
 import grpc  # noqa: E402
 from minio import Minio  # noqa: E402
 
-from bench.blobstore import RepeatingReader  # noqa: E402
-from bench.directory import BenchError, Child, cpu_seconds, pin, run_benchmark  # noqa: E402
+from bench.common import (  # noqa: E402
+    BLOCK_SIZE,
+    START_TIMEOUT_S,
+    BenchError,
+    Child,
+    MiB,
+    RssSampler,
+    chunks_of,
+    cpu_seconds,
+    direct_download,
+    direct_upload,
+    pinned_plan,
+    run_benchmark,
+    sha256_b64,
+    start_server,
+    vm_hwm,
+    vm_rss,
+)
 from services.model_registry.blobstore import DEFAULT_PART_SIZE  # noqa: E402
 from shared.api import model_registry_pb2 as mr  # noqa: E402
 from shared.api import model_registry_pb2_grpc  # noqa: E402
 from tests.fixtures.seaweedfs import SeaweedS3  # noqa: E402
 
-MiB = 1 << 20
-BLOCK_SIZE = 16 * MiB  # the random block the data repeats
 TARGET_UPLOAD_RATIO = 0.7
 TARGET_DOWNLOAD_RATIO = 0.8
 TARGET_RSS_GROWTH_MIB = 100.0
-START_TIMEOUT_S = 60.0
 RPC_TIMEOUT_S = 30.0
 WARMUP_VERSION_MIB = 32
 MAX_RECEIVE_MESSAGE_BYTES = 64 * MiB
@@ -86,20 +98,6 @@ PHASES = ("registry_upload", "direct_upload", "registry_download", "direct_downl
 
 
 # ---- data ----
-
-
-def chunks_of(block: bytes, size: int, chunk_size: int) -> Iterator[bytes]:
-    reader = RepeatingReader(block, size)
-    while chunk := reader.read(chunk_size):
-        yield chunk
-
-
-def sha256_b64(block: bytes, size: int) -> str:
-    """The registry's form of a hash: base64 of the SHA-256 digest."""
-    hasher = hashlib.sha256()
-    for chunk in chunks_of(block, size, BLOCK_SIZE):
-        hasher.update(chunk)
-    return base64.b64encode(hasher.digest()).decode("ascii")
 
 
 class Checker:
@@ -122,60 +120,6 @@ class Checker:
 # ---- measurements ----
 
 
-def vm_rss(pid: int) -> int | None:
-    """VmRSS of a process in bytes, from /proc/<pid>/status."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as status:
-            for line in status:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def vm_hwm(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as status:
-            for line in status:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class RssSampler:
-    """Peak RSS of another process during a phase, sampled by a thread."""
-
-    def __init__(self, pid: int, interval_s: float) -> None:
-        self.pid = pid
-        self.interval_s = interval_s
-        self.baseline = vm_rss(pid) or 0
-        self.peak = self.baseline
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            rss = vm_rss(self.pid)
-            if rss is not None:
-                self.peak = max(self.peak, rss)
-                self.samples += 1
-
-    def reset(self) -> int:
-        start = vm_rss(self.pid) or 0
-        self.peak = start
-        self.samples = 0
-        return start
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @dataclass
 class Processes:
     registry: int
@@ -191,7 +135,7 @@ class Processes:
         began = time.perf_counter()
         yield
         into["seconds"] = time.perf_counter() - began
-        peak = max(self.sampler.peak, vm_rss(self.registry) or 0)
+        peak = self.sampler.peak_now()
         for key, (before, after) in zip(
             ("registry", "weed", "client"), zip(cpu_before, self._cpu(), strict=True), strict=True
         ):
@@ -254,23 +198,6 @@ async def registry_download(
     return checker
 
 
-def direct_upload(client: Minio, name: str, block: bytes, size: int, part_size: int) -> None:
-    source = cast(BinaryIO, RepeatingReader(block, size))  # minio only calls read()
-    client.put_object(BUCKET_DIRECT, name, source, size, part_size=part_size)
-
-
-def direct_download(client: Minio, name: str, chunk_size: int) -> Checker:
-    checker = Checker()
-    response = client.get_object(BUCKET_DIRECT, name)
-    try:
-        while chunk := response.read(chunk_size):
-            checker.update(chunk)
-    finally:
-        response.close()
-        response.release_conn()
-    return checker
-
-
 async def create_model(stub: model_registry_pb2_grpc.ModelRegistrySPStub, model_id: str) -> None:
     await stub.CreateOrUpdateModel(
         mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id=model_id)), timeout=RPC_TIMEOUT_S
@@ -284,16 +211,8 @@ async def delete_model(stub: model_registry_pb2_grpc.ModelRegistrySPStub, model_
 # ---- the run ----
 
 
-def choose_cpus(enabled: bool) -> tuple[set[int] | None, set[int] | None]:
-    if not enabled or not hasattr(os, "sched_getaffinity"):
-        return None, None
-    available = sorted(os.sched_getaffinity(0))
-    if len(available) < 2:
-        return None, None
-    return {available[0]}, set(available[1:])
-
-
-def start_registry(args: argparse.Namespace, workdir: Path, s3: SeaweedS3, cpus: set[int] | None) -> Child:
+def registry_command(args: argparse.Namespace, workdir: Path, s3: SeaweedS3) -> list[str]:
+    """The registry as users start it, on a fresh SQLite database, storing in the S3 server `s3`."""
     command = [
         sys.executable, "-m", "services.model_registry",
         "--port", "0", "--bind_address", "127.0.0.1", "--log_format", "json",
@@ -307,13 +226,7 @@ def start_registry(args: argparse.Namespace, workdir: Path, s3: SeaweedS3, cpus:
     ]  # fmt: skip
     if args.server_log_level:
         command += ["--log_level", args.server_log_level]
-    registry = Child(
-        "model_registry", command, messages_on="stderr", cpus=cpus, log_path=workdir / "registry.log"
-    )
-    message = registry.expect("serving", START_TIMEOUT_S)
-    registry.address = f"127.0.0.1:{int(message['port'])}"
-    pin(registry.process.pid, cpus)  # again: threads started since then
-    return registry
+    return command
 
 
 async def transfer_rounds(args: argparse.Namespace, s3: SeaweedS3, registry: Child, procs: Processes) -> None:
@@ -334,8 +247,10 @@ async def transfer_rounds(args: argparse.Namespace, s3: SeaweedS3, registry: Chi
         await asyncio.wait_for(channel.channel_ready(), START_TIMEOUT_S)
 
         print("warm-up (untimed)...", file=sys.stderr)
-        await asyncio.to_thread(direct_upload, client, "warmup", block, size, part_size)
-        await asyncio.to_thread(direct_download, client, "warmup", read_chunk)
+        await asyncio.to_thread(direct_upload, client, BUCKET_DIRECT, "warmup", block, size, part_size)
+        await asyncio.to_thread(
+            direct_download, client, BUCKET_DIRECT, "warmup", read_chunk, Checker().update
+        )
         await asyncio.to_thread(client.remove_object, BUCKET_DIRECT, "warmup")
         warm_size = min(size, WARMUP_VERSION_MIB * MiB)
         await create_model(stub, "bench-warmup")
@@ -352,14 +267,19 @@ async def transfer_rounds(args: argparse.Namespace, s3: SeaweedS3, registry: Chi
                     await registry_upload(stub, model_id, block, size, sha256, chunk_size)
             elif name == "direct_upload":
                 with procs.phase(name):
-                    await asyncio.to_thread(direct_upload, client, object_name, block, size, part_size)
+                    await asyncio.to_thread(
+                        direct_upload, client, BUCKET_DIRECT, object_name, block, size, part_size
+                    )
             elif name == "registry_download":
                 with procs.phase(name):
                     checker = await registry_download(stub, model_id, 1)
                 checker.check(name, size, sha256)
             else:
+                checker = Checker()
                 with procs.phase(name):
-                    checker = await asyncio.to_thread(direct_download, client, object_name, read_chunk)
+                    await asyncio.to_thread(
+                        direct_download, client, BUCKET_DIRECT, object_name, read_chunk, checker.update
+                    )
                 checker.check(name, size, sha256)
             last = procs.results[name][-1]
             print(
@@ -428,9 +348,8 @@ def summarize(args: argparse.Namespace, procs: Processes, report: dict[str, Any]
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    registry_cpus, client_cpus = choose_cpus(args.pin)
-    if client_cpus:
-        os.sched_setaffinity(0, client_cpus)
+    plan = pinned_plan(args, workdir, "", args.pin)  # no token: the registry has none
+    registry_cpus, client_cpus = plan.server_cpus, plan.client_cpus
     report: dict[str, Any] = {
         "bench": "model_registry",
         "size_mib": args.size_mib,
@@ -451,7 +370,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     with SeaweedS3() as s3:
         weed = getattr(s3, "_proc", None)
         weed_pid = weed.pid if weed is not None else None
-        registry = start_registry(args, workdir, s3, registry_cpus)
+        registry = start_server(plan, "model_registry", registry_command(args, workdir, s3))
         print(f"registry serving on {registry.address}, S3 on {s3.endpoint}", file=sys.stderr)
         sampler = RssSampler(registry.process.pid, args.rss_interval_ms / 1000)
         procs = Processes(registry.process.pid, weed_pid, sampler)
