@@ -175,6 +175,9 @@ _HANDLER_FACTORIES = {
     "bidi_stream": (grpc.stream_stream_rpc_method_handler, "stream_stream"),
 }
 INTERNAL_ERROR_MESSAGE = "internal error (logged on the server)"
+# gRPC's default is 4 MiB, but what a service sends back must be accepted again: a stored trial
+# sample (reward user data is copied per receiver) can be larger, and its export re-imported.
+MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -199,7 +202,7 @@ class _CallRecorder:
             handled={},
         )
 
-    def finish(self, code: grpc.StatusCode, started_at: float, context: Any) -> None:
+    def finish(self, code: grpc.StatusCode, started_at: float, context: Any, peer: str) -> None:
         elapsed = time.perf_counter() - started_at
         handled = self.handled.get(code)
         if handled is None:
@@ -208,14 +211,14 @@ class _CallRecorder:
         self.seconds.observe(elapsed)
         if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
             if log.is_enabled_for(logging.DEBUG):  # skip building the fields on the hot path
-                log.debug("rpc", rpc=self.rpc, code=code.name, seconds=round(elapsed, 6), peer=context.peer())
+                log.debug("rpc", rpc=self.rpc, code=code.name, seconds=round(elapsed, 6), peer=peer)
         else:
             log.info(
                 "rpc failed",
                 rpc=self.rpc,
                 code=code.name,
                 details=context.details(),
-                peer=context.peer(),
+                peer=peer,
                 seconds=round(elapsed, 6),
             )
 
@@ -269,16 +272,19 @@ async def _admitted(request: Any, streaming: bool, context: Any) -> Any:
 class _ObservedCall:
     """Counts, times and logs one call; turns an unexpected error into INTERNAL."""
 
-    __slots__ = ("context", "recorder", "started_at")
+    __slots__ = ("context", "peer", "recorder", "started_at")
 
     def __init__(self, recorder: _CallRecorder, context: Any) -> None:
         self.recorder = recorder
         self.context = context
         self.started_at = 0.0
+        self.peer = ""
 
     async def __aenter__(self) -> None:
         self.recorder.started.inc()
         self.started_at = time.perf_counter()
+        # Read now: grpcio 1.85 can crash (SIGSEGV) in `peer()` once the client cancelled the call.
+        self.peer = self.context.peer()
 
     async def __aexit__(self, _type: Any, error: BaseException | None, _traceback: Any) -> bool:
         if error is None or isinstance(error, grpc.aio.AbortError):
@@ -287,7 +293,7 @@ class _ObservedCall:
             code = grpc.StatusCode.CANCELLED
         else:
             code = grpc.StatusCode.INTERNAL if isinstance(error, Exception) else grpc.StatusCode.UNKNOWN
-        self.recorder.finish(code, self.started_at, self.context)
+        self.recorder.finish(code, self.started_at, self.context, self.peer)
         if code is grpc.StatusCode.INTERNAL and isinstance(error, Exception):
             await _guard_unexpected(error, self.recorder, self.context)  # raises AbortError
         return False
@@ -485,10 +491,10 @@ def _bind(server: grpc.aio.Server, values: dict[str, Any]) -> int:
     return int(port)
 
 
-def _bind_health(values: dict[str, Any], health: HealthServicer) -> grpc.aio.Server | None:
-    """The plaintext server of `--health_port`: the health service alone."""
+def _bind_health(values: dict[str, Any], health: HealthServicer) -> tuple[grpc.aio.Server | None, int | None]:
+    """The plaintext server of `--health_port` (the health service alone), and its port."""
     if values["health_port"] is None:
-        return None
+        return None, None
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{values['bind_address']}:{values['health_port']}"
@@ -498,7 +504,7 @@ def _bind_health(values: dict[str, Any], health: HealthServicer) -> grpc.aio.Ser
         port = 0
     if port == 0:
         raise StartupError(f"could not listen on {address} (--health_port): in use, or not an address")
-    return server
+    return server, int(port)
 
 
 def _serve_metrics(values: dict[str, Any]) -> int | None:
@@ -522,12 +528,15 @@ async def serve(
     status 1 and one clear log line.
     """
     values = service.values
-    # No SO_REUSEPORT: a second instance on a port in use must fail, not share the connections.
-    server = grpc.aio.server(interceptors=[ObservabilityInterceptor()], options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        interceptors=[ObservabilityInterceptor()],
+        # No SO_REUSEPORT: a second instance on a port in use must fail, not share the connections.
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)],
+    )
     health = HealthServicer()
     try:
         port = _bind(server, values)
-        health_server = _bind_health(values, health)
+        health_server, health_port = _bind_health(values, health)
         metrics_port = _serve_metrics(values)
     except StartupError as error:
         log.error("cannot start", service=service.name, error=str(error))
@@ -575,6 +584,7 @@ async def serve(
             address=values["bind_address"],
             tls=bool(values["tls_cert"]),
             mtls=bool(values["tls_client_ca"]),
+            health_port=health_port,
             version=PACKAGE_VERSION,
         )
         if metrics_port is not None:

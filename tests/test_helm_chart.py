@@ -54,6 +54,13 @@ OPTIONS_BY_MODULE: dict[str, list[Option]] = {
     "shared.migrate": MIGRATE_OPTIONS,
 }
 DEFAULT_PORTS = {"directory": 9005, "model-registry": 9002, "datastore": 9003}
+HEALTH_PORT = 8081
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+ENV_PREFIXES = {
+    "directory": "COGMENT_DIRECTORY",
+    "model-registry": "COGMENT_MODEL_REGISTRY",
+    "datastore": "COGMENT_TRIAL_DATASTORE",
+}
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +223,15 @@ def test_default_values_deploy_three_services_on_sqlite(default_manifests: list[
         (container,) = spec["containers"]
         assert container["args"] == [COMPONENTS[component]]
         port = DEFAULT_PORTS[component]
-        assert container["ports"] == [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, probe  # kubelet's native gRPC probe
+        assert container["ports"] == [
+            {"name": "grpc", "containerPort": port, "protocol": "TCP"},
+            {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
+        ]
+        # kubelet's native gRPC probes, on the plaintext health port (TLS or not).
+        assert env_of(container)[f"{ENV_PREFIXES[component]}_HEALTH_PORT"]["value"] == str(HEALTH_PORT)
+        for probe in PROBES:
+            assert container[probe]["grpc"] == {"port": HEALTH_PORT}, probe
+            assert "tcpSocket" not in container[probe], probe
         data = next(v for v in spec["volumes"] if v["name"] == "data")
         assert data["persistentVolumeClaim"]["claimName"] == claims[component]["metadata"]["name"]
         assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
@@ -263,6 +276,7 @@ def test_registry_and_datastore_register_in_the_chart_directory(default_manifest
         host = env[f"{prefix}_DIRECTORY_REGISTRATION_HOST"]
         assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN" not in env
+        assert not [name for name in env if "DIRECTORY_TLS" in name]  # a plaintext directory
 
     with_token = by_component(
         render(
@@ -285,6 +299,113 @@ def test_registry_and_datastore_register_in_the_chart_directory(default_manifest
     assert "COGMENT_DIRECTORY_ENDPOINT" not in env_of(
         pod_spec(without_directory["datastore"])["containers"][0]
     )
+
+
+def _registration_tls(manifests: list[Manifest], component: str) -> tuple[dict[str, str], list[Any]]:
+    """The directory TLS variables of a registering container, and its directory-tls sources."""
+    spec = pod_spec(by_component(manifests, "Deployment")[component])
+    (container,) = spec["containers"]
+    prefix = ENV_PREFIXES[component]
+    env = {
+        name.removeprefix(f"{prefix}_DIRECTORY_TLS_"): entry["value"]
+        for name, entry in env_of(container).items()
+        if name.startswith(f"{prefix}_DIRECTORY_TLS_")
+    }
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    mounted = any(mount["name"] == "directory-tls" for mount in container["volumeMounts"])
+    assert mounted == ("directory-tls" in volumes) == bool(env)
+    sources = volumes["directory-tls"]["projected"]["sources"] if env else []
+    return env, sources
+
+
+def _secret_source(name: str, **items: str) -> dict[str, Any]:
+    return {"secret": {"name": name, "items": [{"key": key, "path": path} for path, key in items.items()]}}
+
+
+CA = "/etc/cogment-aux/directory-tls/ca.crt"
+CLIENT = {"CERT": "/etc/cogment-aux/directory-tls/tls.crt", "KEY": "/etc/cogment-aux/directory-tls/tls.key"}
+
+
+def test_registration_follows_the_tls_of_the_chart_directory() -> None:
+    # TLS without client certificates: the CA of the directory's own certificate Secret.
+    tls = {"tls.enabled": "true", "tls.existingSecret": "server-tls"}
+    for component in ("model-registry", "datastore"):
+        env, sources = _registration_tls(render(set_values=tls), component)
+        assert env == {"CA": CA}
+        assert sources == [_secret_source("server-tls", **{"ca.crt": "ca.crt"})]
+    # The directory's own Secret, when it has one; an explicit CA Secret over it.
+    env, sources = _registration_tls(
+        render(set_values={**tls, "directory.tls.existingSecret": "dir-tls"}), "datastore"
+    )
+    assert sources == [_secret_source("dir-tls", **{"ca.crt": "ca.crt"})]
+    explicit = {
+        **tls,
+        "directoryRegistration.tls.caSecret": "ca",
+        "directoryRegistration.tls.caKey": "bundle.pem",
+    }
+    env, sources = _registration_tls(render(set_values=explicit), "datastore")
+    assert sources == [_secret_source("ca", **{"ca.crt": "bundle.pem"})]
+    # mTLS: by default, the pod's own certificate (which must allow clientAuth)...
+    mtls = {**tls, "tls.clientCA.enabled": "true", "datastore.tls.existingSecret": "datastore-tls"}
+    manifests = render(set_values=mtls)
+    env, sources = _registration_tls(manifests, "model-registry")
+    assert env == {"CA": CA, **CLIENT}
+    assert sources[1] == _secret_source("server-tls", **{"tls.crt": "tls.crt", "tls.key": "tls.key"})
+    env, sources = _registration_tls(manifests, "datastore")
+    assert sources[1] == _secret_source("datastore-tls", **{"tls.crt": "tls.crt", "tls.key": "tls.key"})
+    # ...or a client certificate Secret of its own.
+    client = {
+        "directoryRegistration.tls.clientCert.existingSecret": "client",
+        "directoryRegistration.tls.clientCert.keyKey": "k",
+    }
+    env, sources = _registration_tls(render(set_values={**mtls, **client}), "datastore")
+    assert sources[1] == _secret_source("client", **{"tls.crt": "tls.crt", "tls.key": "k"})
+    # The directory's plaintext: so is the registration, whatever the other services do.
+    plain_directory = {**tls, "directory.tls.enabled": "false"}
+    assert _registration_tls(render(set_values=plain_directory), "datastore") == ({}, [])
+
+
+def test_registration_in_an_external_directory_takes_explicit_tls() -> None:
+    external = {"directoryRegistration.endpoint": "grpc://directory.example:9005"}
+    # Plaintext by default, even when this release serves TLS.
+    manifests = render(set_values={**external, "tls.enabled": "true", "tls.existingSecret": "server-tls"})
+    env = env_of(pod_spec(by_component(manifests, "Deployment")["datastore"])["containers"][0])
+    assert env["COGMENT_DIRECTORY_ENDPOINT"]["value"] == "grpc://directory.example:9005"
+    assert _registration_tls(manifests, "datastore") == ({}, [])
+    with_tls = {
+        **external,
+        "directoryRegistration.tls.enabled": "true",
+        "directoryRegistration.tls.caSecret": "ext-ca",
+    }
+    env, sources = _registration_tls(render(set_values=with_tls), "model-registry")
+    assert env == {"CA": CA}
+    assert sources == [_secret_source("ext-ca", **{"ca.crt": "ca.crt"})]
+    with_client = {
+        **with_tls,
+        "directoryRegistration.tls.clientCert.enabled": "true",
+        "directoryRegistration.tls.clientCert.existingSecret": "ext-client",
+    }
+    env, sources = _registration_tls(render(set_values=with_client), "model-registry")
+    assert env == {"CA": CA, **CLIENT}
+    assert sources[1] == _secret_source("ext-client", **{"tls.crt": "tls.crt", "tls.key": "tls.key"})
+
+
+def test_the_health_port_and_its_network_policy_rule_follow_the_values() -> None:
+    manifests = render(
+        set_values={
+            "probes.healthPort": "8500",
+            "networkPolicy.enabled": "true",
+            "networkPolicy.healthFrom[0].ipBlock.cidr": "10.0.0.0/16",
+        }
+    )
+    for component, deployment in by_component(manifests, "Deployment").items():
+        (container,) = pod_spec(deployment)["containers"]
+        assert {"name": "health", "containerPort": 8500, "protocol": "TCP"} in container["ports"]
+        assert env_of(container)[f"{ENV_PREFIXES[component]}_HEALTH_PORT"]["value"] == "8500"
+        assert all(container[probe]["grpc"] == {"port": 8500} for probe in PROBES)
+    for policy in of_kind(manifests, "NetworkPolicy"):
+        (rule,) = [rule for rule in policy["spec"]["ingress"] if rule["ports"][0]["port"] == "health"]
+        assert rule["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
 
 
 # ---- what the scale-out values deploy ----
@@ -331,8 +452,48 @@ def test_scale_out_values(scale_out_manifests: list[Manifest]) -> None:
         assert volumes["tls"]["secret"]["secretName"] == "cogment-aux-tls"
         assert volumes["client-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
         assert "emptyDir" in volumes["data"]
-        # kubelet's gRPC probes have no TLS: TCP probes of the gRPC port.
-        assert container["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+        # kubelet's gRPC probes have no TLS: they check the plaintext health port.
+        assert env[f"{prefix}_HEALTH_PORT"]["value"] == str(HEALTH_PORT)
+        assert {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"} in container["ports"]
+        for probe in PROBES:
+            assert container[probe]["grpc"] == {"port": HEALTH_PORT}, probe
+        # The NetworkPolicy lets the probes reach it (kubelet probes from the node), and only the
+        # release's pods and labelled clients reach the gRPC port.
+        rules = {rule["ports"][0]["port"]: rule for rule in policies[component]["spec"]["ingress"]}
+        assert rules["health"] == {"ports": [{"port": "health", "protocol": "TCP"}]}  # from anywhere
+        assert len(rules["grpc"]["from"]) == 2
+
+        # Registration in the release's directory, over mTLS, as the Service's DNS name.
+        if component == "directory":
+            assert "COGMENT_DIRECTORY_ENDPOINT" not in env and "directory-tls" not in volumes
+            continue
+        assert env["COGMENT_DIRECTORY_ENDPOINT"]["value"] == (
+            "grpc://cogment-cogment-aux-directory.cogment.svc.cluster.local:9005"
+        )
+        assert env[f"{prefix}_DIRECTORY_REGISTRATION_HOST"]["value"] == (
+            f"cogment-cogment-aux-{component}.cogment.svc.cluster.local"
+        )
+        assert env["COGMENT_DIRECTORY_AUTHENTICATION_TOKEN"]["valueFrom"] == {
+            "secretKeyRef": {"name": "cogment-aux-directory-token", "key": "token"}
+        }
+        assert {name: env[f"{prefix}_DIRECTORY_TLS_{name}"]["value"] for name in ("CA", "CERT", "KEY")} == {
+            "CA": "/etc/cogment-aux/directory-tls/ca.crt",
+            "CERT": "/etc/cogment-aux/directory-tls/tls.crt",
+            "KEY": "/etc/cogment-aux/directory-tls/tls.key",
+        }
+        assert {"name": "directory-tls", "mountPath": "/etc/cogment-aux/directory-tls", "readOnly": True} in (
+            container["volumeMounts"]
+        )
+        # The CA from the directory's certificate Secret, the client certificate from its own.
+        assert volumes["directory-tls"]["projected"]["sources"] == [
+            {"secret": {"name": "cogment-aux-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            {
+                "secret": {
+                    "name": "cogment-aux-registration",
+                    "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+                }
+            },
+        ]
 
     registry = env_of(pod_spec(deployments["model-registry"])["containers"][0])
     assert registry["COGMENT_MODEL_REGISTRY_S3_ENDPOINT"]["value"] == "minio.storage.svc.cluster.local:9000"
@@ -412,7 +573,54 @@ def test_every_environment_variable_is_an_option_of_the_service(
         ({"database.type": "postgresql"}, "needs database.postgresql.existingSecret"),
         ({"modelRegistry.storage.type": "s3"}, "needs modelRegistry.storage.s3.endpoint"),
         ({"tls.enabled": "true"}, "no certificate Secret"),
-        ({"tls.enabled": "true", "tls.existingSecret": "tls"}, "registration client does not speak TLS"),
+        (
+            {
+                "directoryRegistration.endpoint": "grpc://directory.example:9005",
+                "directoryRegistration.tls.enabled": "true",
+            },
+            "needs directoryRegistration.tls.caSecret",
+        ),
+        (
+            {
+                "tls.enabled": "true",
+                "tls.existingSecret": "tls",
+                "directoryRegistration.tls.enabled": "false",
+            },
+            "but this release's directory serves TLS",
+        ),
+        ({"directoryRegistration.tls.enabled": "true"}, "but this release's directory is plaintext"),
+        (
+            {
+                "tls.enabled": "true",
+                "tls.existingSecret": "tls",
+                "tls.clientCA.enabled": "true",
+                "directoryRegistration.tls.clientCert.enabled": "false",
+            },
+            "this release's directory requires client certificates",
+        ),
+        (
+            {
+                "directoryRegistration.endpoint": "grpc://directory.example:9005",
+                "directoryRegistration.tls.clientCert.enabled": "true",
+            },
+            "a client certificate is only presented over TLS",
+        ),
+        (
+            {
+                "tls.enabled": "true",
+                "directory.tls.existingSecret": "directory-tls",
+                "tls.clientCA.enabled": "true",
+                "tls.clientCA.existingSecret": "ca",
+                "modelRegistry.tls.enabled": "false",
+                "datastore.tls.enabled": "false",
+            },
+            "modelRegistry registers in a directory that requires client certificates, but has no",
+        ),
+        ({"probes.healthPort": "9002"}, "probes.healthPort=9002 is also modelRegistry.port"),
+        (
+            {"metrics.enabled": "true", "probes.healthPort": "9100"},
+            "probes.healthPort=9100 is also metrics.port",
+        ),
     ],
 )
 def test_the_chart_refuses_what_cannot_work(set_values: dict[str, str], message: str) -> None:
@@ -434,6 +642,16 @@ def test_notes_tell_how_to_reach_each_service() -> None:
         assert f"grpc://cogment-cogment-aux-{name}.ml.svc.cluster.local:{port}" in notes
         assert f"kubectl --namespace ml port-forward svc/cogment-cogment-aux-{name} {port}:{port}" in notes
     assert "cogment://discover/modelregistry" in notes
+    scale_out = helm(
+        "install",
+        "cogment",
+        str(CHART_DIR),
+        "--dry-run=client",
+        "--namespace",
+        "ml",
+        f"--values={SCALE_OUT_VALUES}",
+    )
+    assert "over TLS with a client certificate" in scale_out.stdout.split("NOTES:", 1)[1]
 
 
 # ---- the image ----

@@ -1,23 +1,27 @@
 """Scale-out smoke test: what the Helm chart would run, run here.
 
 The chart is rendered with ci/scale-out-values.yaml (PostgreSQL, S3, TLS with client
-certificates, metrics), and each rendered container becomes a local process with the image's
-entrypoint, the container's args and its environment: Secret references resolved from the
-test's PostgreSQL database, SeaweedFS keys and certificates, Secret volumes written to
-directories, field references answered as Kubernetes would. Only what differs on one machine is
-rewritten: every replica listens on 127.0.0.1 and a free port, in-cluster host names become the
-local servers, SeaweedFS speaks plain HTTP, and the bucket is the test's own.
+certificates, self-registration in the directory over mTLS, metrics), and each rendered
+container becomes a local process with the image's entrypoint, the container's args and its
+environment: Secret references resolved from the test's PostgreSQL database, SeaweedFS keys,
+token and certificates, Secret and projected volumes written to directories, field references
+answered as Kubernetes would. Only what differs on one machine is rewritten: every replica
+listens on 127.0.0.1 and ports of its own, in-cluster host names (the directory's Service, the
+registered Services) become the local servers, SeaweedFS speaks plain HTTP, and the bucket is the
+test's own.
 
-The migration Job runs once; then two replicas of each service run against the one database and
-bucket, and each service is exercised through both replicas. A second test runs the
-self-registration wiring and kubelet's native gRPC probes, with the default values (SQLite files
-on the data volumes) and with the scale-out values without TLS (the registration client has no
-TLS yet).
+The migration Job runs once; then two replicas of each service start together against the one
+database and bucket: each replica of the registry and the datastore registers itself in the
+directory over mTLS, every replica answers kubelet's gRPC probes on its plaintext health port,
+and each service is exercised through both replicas. A second test runs the self-registration
+wiring in plaintext, with the default values (SQLite files on the data volumes) and with the
+scale-out values without TLS.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import socket
 import time
@@ -82,9 +86,13 @@ def _secret_value_for(env_name: str, postgres_url: str, s3: SeaweedS3) -> str:
     raise AssertionError(f"no test value for the Secret behind {env_name}")
 
 
-def _tls_file_for(path: str, pki: Pki | None) -> str:
+def _tls_file_for(volume: str, path: str, pki: Pki | None) -> str:
+    """What a mounted certificate file holds: the server's certificate, except in the volume of
+    the directory registration, where tls.crt and tls.key are the client certificate (the
+    server's has no clientAuth usage, as the scale-out values say)."""
     assert pki is not None, "a TLS Secret is mounted but the test made no certificates"
-    files = {"tls.crt": pki.server.cert, "tls.key": pki.server.key, "ca.crt": pki.ca}
+    pair = pki.client if volume == "directory-tls" else pki.server
+    files = {"tls.crt": pair.cert, "tls.key": pair.key, "ca.crt": pki.ca}
     return files[path].read_text()
 
 
@@ -104,10 +112,40 @@ def make_secrets(manifests: Sequence[Manifest], postgres_url: str, s3: SeaweedS3
                 if ref:
                     put(ref["name"], ref["key"], _secret_value_for(entry["name"], postgres_url, s3))
         for volume in spec.get("volumes", []):
-            if "secret" in volume:
-                for item in volume["secret"]["items"]:
-                    put(volume["secret"]["secretName"], item["key"], _tls_file_for(item["path"], pki))
+            sources = (
+                [volume["secret"] | {"name": volume["secret"]["secretName"]}] if "secret" in volume else []
+            )
+            sources += [source["secret"] for source in volume.get("projected", {}).get("sources", [])]
+            for source in sources:
+                for item in source["items"]:
+                    put(source["name"], item["key"], _tls_file_for(volume["name"], item["path"], pki))
     return found
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def reserve_port(taken: set[int]) -> int:
+    """A free port of 127.0.0.1 for a process to bind later. It is drawn below the ephemeral
+    range, so the port-0 binds of the other replicas cannot take it in the meantime."""
+    low = _ephemeral_low()
+    for _attempt in range(200):
+        port = random.randrange(10000, low) if low > 11000 else 0
+        if port in taken:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = probe.getsockname()[1]
+        taken.add(port)
+        return int(port)
+    raise AssertionError("no free port")
 
 
 class LocalRelease:
@@ -120,12 +158,16 @@ class LocalRelease:
         self.s3 = s3
         self.bucket = new_bucket_name()
         self.entrypoint = image_entrypoint()
-        self.directory_endpoint: str | None = None
+        # The directory replicas' endpoints, in start order: the directory's Service, which the
+        # registering replicas reach in turn (as the Service would spread them).
+        self.directory_endpoints: list[str] = []
+        self.health_ports: dict[RunningService, int] = {}
         self.running: list[RunningService] = []
+        self._taken_ports: set[int] = set()
         self._count = 0
 
     def rewrite(self, name: str, value: str) -> str:
-        """What differs between a pod and a process of this machine."""
+        """What differs between a pod and a process of this machine (the same for every replica)."""
         if name.endswith("_BIND_ADDRESS"):
             return "127.0.0.1"
         if name.endswith("_PORT"):  # gRPC and metrics: every replica shares this host
@@ -136,42 +178,66 @@ class LocalRelease:
             return "false"  # SeaweedFS here speaks plain HTTP
         if name.endswith("_S3_BUCKET"):
             return self.bucket
-        if name == "COGMENT_DIRECTORY_ENDPOINT":
-            assert value == f"grpc://{DIRECTORY_HOST}:9005", value
-            assert self.directory_endpoint is not None, "start a directory replica first"
-            return self.directory_endpoint
+        if name.endswith("_DIRECTORY_REGISTRATION_HOST") and value.endswith(
+            f".{NAMESPACE}.svc.cluster.local"
+        ):
+            return "127.0.0.1"  # directoryRegistration.host=service: the Service is this machine
         return value
 
-    def _command(self, workload: Manifest, where: Path) -> LocalCommand:
+    def _command(self, component: str, workload: Manifest, where: Path) -> tuple[LocalCommand, int | None]:
+        """The replica's command, and the port of its health service (None for the Job)."""
         spec = pod_spec(workload)
         (container,) = spec["containers"]
-        return local_command(
+        health_port: int | None = None
+
+        def rewrite(name: str, value: str) -> str:
+            nonlocal health_port
+            if name.endswith("_HEALTH_PORT"):
+                health_port = reserve_port(self._taken_ports)
+                return str(health_port)
+            if component == "directory" and name == "COGMENT_DIRECTORY_PORT":
+                # Known before the replica starts, so that registering replicas may start with it.
+                port = reserve_port(self._taken_ports)
+                self.directory_endpoints.append(f"grpc://127.0.0.1:{port}")
+                return str(port)
+            if name == "COGMENT_DIRECTORY_ENDPOINT":
+                assert value == f"grpc://{DIRECTORY_HOST}:9005", value
+                assert self.directory_endpoints, "no directory replica to register in"
+                return self.directory_endpoints[self._count % len(self.directory_endpoints)]
+            return self.rewrite(name, value)
+
+        command = local_command(
             spec,
             container,
             entrypoint=self.entrypoint,
             secrets=self.secrets,
             field_refs={"status.podIP": "127.0.0.1"},
             volumes_dir=where / "volumes",
-            rewrite=self.rewrite,
+            rewrite=rewrite,
         )
+        return command, health_port
 
     def run_job(self) -> tuple[int, str]:
         """Run the migration Job's container to completion: (exit status, log)."""
         (job,) = of_kind(self.manifests, "Job")
         where = self.root / "migrations"
-        process = start_local(self._command(job, where), cwd=where)
+        command, _ = self._command("migrations", job, where)
+        process = start_local(command, cwd=where)
         _, stderr = process.communicate(timeout=120)
         return process.returncode, stderr
 
     def start_many(self, components: Sequence[str]) -> list[RunningService]:
-        """Start replicas of several components at once (the start-ups overlap)."""
+        """Start replicas of several components at once (the start-ups overlap); directory
+        replicas listed first get their ports before the others start."""
         deployments = by_component(self.manifests, "Deployment")
         started = []
         for component in components:
             self._count += 1
             where = self.root / f"{component}-{self._count}"
-            process = start_local(self._command(deployments[component], where), cwd=where)
-            service = RunningService(process, where / "log")
+            command, health_port = self._command(component, deployments[component], where)
+            service = RunningService(start_local(command, cwd=where), where / "log")
+            assert health_port is not None, f"{component} serves no health port"
+            self.health_ports[service] = health_port
             self.running.append(service)
             started.append(service)
         for service in started:
@@ -210,20 +276,42 @@ def local_release(
         release.stop()
 
 
-def kubelet_probe(container: dict[str, Any], port: int, kind: str = "readinessProbe") -> bool:
-    """Run the container's probe as kubelet would against the replica's local port."""
+def kubelet_probe(release: LocalRelease, component: str, replica: RunningService, kind: str) -> bool:
+    """Run the container's probe as kubelet would: a native gRPC probe, in plaintext, of the
+    container's `health` port (here: the replica's own health port)."""
+    container = release.container(component)
     probe = container[kind]
-    if "grpc" in probe:
-        assert probe["grpc"]["port"] == container["ports"][0]["containerPort"]
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")),
-                timeout=probe.get("timeoutSeconds", 1),
-            )
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-    assert probe["tcpSocket"]["port"] == "grpc"
-    with socket.create_connection(("127.0.0.1", port), timeout=probe.get("timeoutSeconds", 1)):
-        return True
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert probe["grpc"]["port"] == ports["health"] != ports["grpc"], probe
+    with grpc.insecure_channel(f"127.0.0.1:{release.health_ports[replica]}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")),
+            timeout=probe.get("timeoutSeconds", 1),
+        )
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def registered(
+    channel: grpc.Channel, service_type: directory_pb2.ServiceType.ValueType
+) -> list[tuple[str, int, int]]:
+    """(host, port, protocol) of the entries of `service_type` the directory answers with."""
+    request = directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=service_type))
+    found = directory_pb2_grpc.DirectorySPStub(channel).Inquire(
+        request, metadata=(("authentication-token", TOKEN),), timeout=10
+    )
+    return sorted((e.data.endpoint.host, e.data.endpoint.port, e.data.endpoint.protocol) for e in found)
+
+
+def wait_registered(
+    channel: grpc.Channel,
+    expected: dict[directory_pb2.ServiceType.ValueType, list[tuple[str, int, int]]],
+    timeout_s: float = 30,
+) -> None:
+    for service_type, entries in expected.items():
+        deadline = time.monotonic() + timeout_s
+        while registered(channel, service_type) != entries and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert registered(channel, service_type) == entries, directory_pb2.ServiceType.Name(service_type)
 
 
 def schema_revision(postgres_url: str) -> str | None:
@@ -323,6 +411,8 @@ def exercise_datastore(a: grpc.Channel, b: grpc.Channel) -> None:
 
 # ---- the tests ----
 
+GRPC, GRPC_SSL = int(directory_pb2.ServiceEndpoint.GRPC), int(directory_pb2.ServiceEndpoint.GRPC_SSL)
+
 
 @pytest.mark.skipif(not openssl_available(), reason="needs the openssl command to make certificates")
 def test_scale_out_values_run_two_replicas_per_service(
@@ -346,18 +436,40 @@ def test_scale_out_values_run_two_replicas_per_service(
     assert schema_revision(postgres_url) == revision  # the replicas found the schema migrated
 
     credentials = pki.channel_credentials(pki.client)
+    for name, replicas in by_name.items():
+        for service in replicas:
+            # kubelet's native gRPC probes, in plaintext, on the health port...
+            assert kubelet_probe(release, name, service, "readinessProbe")
+            assert kubelet_probe(release, name, service, "livenessProbe")
+            assert kubelet_probe(release, name, service, "startupProbe")
+            (serving,) = service.events("serving")
+            assert serving["tls"] is True and serving["mtls"] is True
+            # ...while the gRPC port speaks TLS only.
+            with grpc.insecure_channel(service.address) as plaintext, pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    # Each replica of the registry and the datastore registered itself in the directory, over
+    # mTLS, as its Service's DNS name (here this machine) and its own port, GRPC_SSL.
+    registries, datastores = by_name["model-registry"], by_name["datastore"]
+    expected = {
+        directory_pb2.MODEL_REGISTRY_SERVICE: sorted(("127.0.0.1", r.port, GRPC_SSL) for r in registries),
+        directory_pb2.DATASTORE_SERVICE: sorted(("127.0.0.1", d.port, GRPC_SSL) for d in datastores),
+        directory_pb2.DATALOG_SERVICE: sorted(("127.0.0.1", d.port, GRPC_SSL) for d in datastores),
+    }
+    for directory in by_name["directory"]:  # whichever replica they reached, both answer
+        with grpc.secure_channel(directory.address, credentials) as channel:
+            wait_registered(channel, expected)
+    for service, types in [(r, ["modelregistry"]) for r in registries] + [
+        (d, ["datastore", "datalog"]) for d in datastores
+    ]:
+        assert sorted(str(e["type"]) for e in service.events("registered in the directory")) == sorted(types)
+
     exercises = {
         "directory": exercise_directory,
         "model-registry": exercise_registry,
         "datastore": exercise_datastore,
     }
     for name, (a, b) in by_name.items():
-        container = release.container(name)
-        for service in (a, b):
-            assert kubelet_probe(container, service.port, "readinessProbe")
-            assert kubelet_probe(container, service.port, "livenessProbe")
-            (serving,) = service.events("serving")
-            assert serving["tls"] is True and serving["mtls"] is True
         with (
             grpc.secure_channel(a.address, credentials) as channel_a,
             grpc.secure_channel(b.address, credentials) as channel_b,
@@ -373,6 +485,13 @@ def test_scale_out_values_run_two_replicas_per_service(
             health_pb2_grpc.HealthStub(anonymous).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert "grpc_server_handled_total" in scrape_metrics(a)
 
+    # A registry replica going away (SIGTERM) deregisters itself, over mTLS too.
+    registries[0].stop()
+    assert registries[0].process.returncode == 0
+    with grpc.secure_channel(by_name["directory"][0].address, credentials) as channel:
+        assert registered(channel, directory_pb2.MODEL_REGISTRY_SERVICE) == [
+            ("127.0.0.1", registries[1].port, GRPC_SSL)
+        ]
     assert release.stop() == [0] * 6  # graceful shutdown on SIGTERM
 
 
@@ -383,11 +502,7 @@ TOKEN_SECRET = {"directoryRegistration.authenticationToken.existingSecret": "cog
     ("values_files", "set_values", "registry_replicas"),
     [
         ([], TOKEN_SECRET, 1),
-        (
-            [SCALE_OUT_VALUES],
-            {"tls.enabled": "false", "directoryRegistration.enabled": "true", **TOKEN_SECRET},
-            2,
-        ),
+        ([SCALE_OUT_VALUES], {"tls.enabled": "false"}, 2),
     ],
     ids=["sqlite-defaults", "postgresql-s3-plaintext"],
 )
@@ -398,46 +513,39 @@ def test_registry_and_datastore_replicas_register_in_the_directory(
     local_release: Callable[[list[Manifest], Pki | None], LocalRelease],
 ) -> None:
     """The default values (SQLite files on the data volumes) and the scale-out values without
-    TLS: each replica registers in the chart's directory, and deregisters when it stops."""
+    TLS: each replica registers in the chart's directory in plaintext, and deregisters when it
+    stops; the probes check the health port."""
     manifests = render(values_files, set_values, release=RELEASE, namespace=NAMESPACE)
     release = local_release(manifests, None)
     if of_kind(manifests, "Job"):
         code, log = release.run_job()
         assert code == 0, log
     (directory,) = release.start_many(["directory"])
-    assert kubelet_probe(release.container("directory"), directory.port)  # the native gRPC probe
-    release.directory_endpoint = directory.endpoint
+    assert kubelet_probe(release, "directory", directory, "readinessProbe")
     names = ["model-registry"] * registry_replicas + ["datastore"]
     registries = release.start_many(names)
     for name, service in zip(names, registries, strict=True):
-        assert kubelet_probe(release.container(name), service.port)
+        assert kubelet_probe(release, name, service, "readinessProbe")
     if not values_files:  # SQLite: each service's file is on its data volume
         for where, database in [("directory-1", "directory.db"), ("model-registry-2", "model_registry.db"),
                                 ("datastore-3", "datastore.db")]:  # fmt: skip
             assert (release.root / where / "volumes" / "data" / database).is_file()
 
-    def registered(service_type: directory_pb2.ServiceType.ValueType) -> list[tuple[str, int]]:
-        with grpc.insecure_channel(directory.address) as channel:
-            request = directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=service_type))
-            found = directory_pb2_grpc.DirectorySPStub(channel).Inquire(
-                request, metadata=(("authentication-token", TOKEN),), timeout=10
-            )
-            return sorted((entry.data.endpoint.host, entry.data.endpoint.port) for entry in found)
-
     datastore = registries[-1]
-    expected = {
-        directory_pb2.MODEL_REGISTRY_SERVICE: sorted(("127.0.0.1", r.port) for r in registries[:-1]),
-        directory_pb2.DATASTORE_SERVICE: [("127.0.0.1", datastore.port)],
-        directory_pb2.DATALOG_SERVICE: [("127.0.0.1", datastore.port)],
-    }
-    for service_type, endpoints in expected.items():
-        deadline = time.monotonic() + 30
-        while registered(service_type) != endpoints and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert registered(service_type) == endpoints
-    # A replica going away (SIGTERM, as Kubernetes stops a pod) deregisters itself.
-    registries[0].stop()
-    assert registries[0].process.returncode == 0
-    remaining = sorted(("127.0.0.1", r.port) for r in registries[1:-1])
-    assert registered(directory_pb2.MODEL_REGISTRY_SERVICE) == remaining
+    with grpc.insecure_channel(directory.address) as channel:
+        wait_registered(
+            channel,
+            {
+                directory_pb2.MODEL_REGISTRY_SERVICE: sorted(
+                    ("127.0.0.1", r.port, GRPC) for r in registries[:-1]
+                ),
+                directory_pb2.DATASTORE_SERVICE: [("127.0.0.1", datastore.port, GRPC)],
+                directory_pb2.DATALOG_SERVICE: [("127.0.0.1", datastore.port, GRPC)],
+            },
+        )
+        # A replica going away (SIGTERM, as Kubernetes stops a pod) deregisters itself.
+        registries[0].stop()
+        assert registries[0].process.returncode == 0
+        remaining = sorted(("127.0.0.1", r.port, GRPC) for r in registries[1:-1])
+        assert registered(channel, directory_pb2.MODEL_REGISTRY_SERVICE) == remaining
     assert release.stop() == [0] * (2 + registry_replicas)

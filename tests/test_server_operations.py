@@ -229,6 +229,18 @@ def test_taken_health_port_exits_before_serving(tmp_path: Path) -> None:
     assert "--health_port" in result.stderr
 
 
+def test_cancelled_streams_logged_at_debug_level_do_not_crash_the_server() -> None:
+    """grpcio 1.85 crashes reading a cancelled call's peer once the call is over: the per-call
+    log line must use the peer read when the call started."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.cancelled_stream_server"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 # ---- 2. reflection ----
 
 

@@ -195,6 +195,20 @@ class LocalCommand:
     env: dict[str, str]
 
 
+def _write_secret(
+    directory: Path, name: str, items: Sequence[Mapping[str, str]] | None, secrets: Secrets
+) -> None:
+    """Write Secret `name`'s `items` (all its keys when None) as a Secret volume would."""
+    data = secrets[name]
+    for item in items or [{"key": key, "path": key} for key in data]:
+        if item["key"] not in data:
+            raise KeyError(f"Secret {name} has no key {item['key']!r}")
+        target = directory / item["path"]
+        if target.exists():
+            raise AssertionError(f"two volume sources write {item['path']} in {directory.name}")
+        target.write_text(data[item["key"]])
+
+
 def local_command(
     pod: Mapping[str, Any],
     container: Mapping[str, Any],
@@ -208,8 +222,8 @@ def local_command(
     """What `container` of `pod` would run: the command (the image's entrypoint unless the
     container sets one; `python` is this interpreter) with its args, and its environment:
     Secret and field references resolved, volume paths mapped to directories under
-    `volumes_dir` (Secret volumes filled from `secrets`), then `rewrite(name, value)` for what
-    differs on this machine (hosts, ports)."""
+    `volumes_dir` (Secret volumes, and projected volumes of Secrets, filled from `secrets`), then
+    `rewrite(name, value)` for what differs on this machine (hosts, ports)."""
     command = list(container.get("command") or entrypoint) + [str(a) for a in container.get("args", [])]
     if command and command[0] in ("python", "python3"):
         command[0] = sys.executable
@@ -221,13 +235,11 @@ def local_command(
         local.mkdir(parents=True, exist_ok=True)
         volume = volumes[mount["name"]]
         if "secret" in volume:
-            name = volume["secret"]["secretName"]
-            data = secrets[name]
-            items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
-            for item in items:
-                if item["key"] not in data:
-                    raise KeyError(f"Secret {name} has no key {item['key']!r}")
-                (local / item["path"]).write_text(data[item["key"]])
+            _write_secret(local, volume["secret"]["secretName"], volume["secret"].get("items"), secrets)
+        elif "projected" in volume:
+            for source in volume["projected"]["sources"]:
+                assert set(source) == {"secret"}, f"unexpected projected source {source}"
+                _write_secret(local, source["secret"]["name"], source["secret"].get("items"), secrets)
         else:
             assert "emptyDir" in volume or "persistentVolumeClaim" in volume, f"unexpected volume {volume}"
         mounts.append((mount["mountPath"].rstrip("/"), local))

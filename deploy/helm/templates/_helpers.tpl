@@ -138,6 +138,49 @@ caKey: {{ $global.clientCA.key | quote }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+How one registering component (modelRegistry, datastore) reaches the directory it registers in,
+as YAML: enabled (TLS), caSecret/caKey (the CA bundle the directory's certificate is checked
+against), client (present a client certificate), certSecret/certKey/keyKey (that certificate).
+For this release's directory, null values follow the directory's own TLS settings; for an
+external one (directoryRegistration.endpoint), null means off.
+(dict "root" $ "key" "modelRegistry")
+*/}}
+{{- define "cogment-aux.registrationTls" -}}
+{{- $reg := .root.Values.directoryRegistration -}}
+{{- $conf := $reg.tls -}}
+{{- $own := include "cogment-aux.tls" . | fromYaml -}}
+{{- $enabled := false -}}
+{{- $client := false -}}
+{{- $caSecret := $conf.caSecret -}}
+{{- if not $reg.endpoint -}}
+{{- $dir := include "cogment-aux.tls" (dict "root" .root "key" "directory") | fromYaml -}}
+{{- $enabled = $dir.enabled -}}
+{{- $client = $dir.mtls -}}
+{{- $caSecret = $conf.caSecret | default $dir.secret -}}
+{{- end -}}
+{{- if kindIs "bool" $conf.enabled -}}
+{{- $enabled = $conf.enabled -}}
+{{- end -}}
+{{- if kindIs "bool" $conf.clientCert.enabled -}}
+{{- $client = $conf.clientCert.enabled -}}
+{{- end -}}
+{{- $cert := $conf.clientCert -}}
+enabled: {{ $enabled }}
+caSecret: {{ $caSecret | quote }}
+caKey: {{ $conf.caKey | quote }}
+client: {{ and $enabled $client }}
+{{- if $cert.existingSecret }}
+certSecret: {{ $cert.existingSecret | quote }}
+certKey: {{ $cert.certKey | quote }}
+keyKey: {{ $cert.keyKey | quote }}
+{{- else }}
+certSecret: {{ $own.secret | quote }}
+certKey: {{ $own.certKey | quote }}
+keyKey: {{ $own.keyKey | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* An integer value as an environment variable string (no float formatting of large numbers). */}}
 {{- define "cogment-aux.int" -}}
 {{- . | int64 | toString | quote -}}
@@ -177,11 +220,41 @@ Checks of the values that a schema cannot express; each failure is one clear mes
 {{- fail "modelRegistry.storage.type=s3 needs modelRegistry.storage.s3.existingSecret: a Secret holding the access key and the secret key" -}}
 {{- end -}}
 {{- end -}}
+{{- $probes := .Values.probes -}}
+{{- range $key := include "cogment-aux.componentKeys" . | fromJsonArray -}}
+{{- $values := index $root.Values $key -}}
+{{- if and $values.enabled (eq (int $probes.healthPort) (int $values.port)) -}}
+{{- fail (printf "probes.healthPort=%d is also %s.port: the plaintext health service needs a port of its own" (int $probes.healthPort) $key) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.metrics.enabled (eq (int $probes.healthPort) (int .Values.metrics.port)) -}}
+{{- fail (printf "probes.healthPort=%d is also metrics.port: the plaintext health service needs a port of its own" (int $probes.healthPort)) -}}
+{{- end -}}
+{{- $reg := .Values.directoryRegistration -}}
 {{- $endpoint := include "cogment-aux.directoryEndpoint" . -}}
-{{- if and $endpoint (not .Values.directoryRegistration.endpoint) -}}
-{{- $dirTls := include "cogment-aux.tls" (dict "root" . "key" "directory") | fromYaml -}}
-{{- if and $dirTls.enabled (or .Values.modelRegistry.enabled .Values.datastore.enabled) -}}
-{{- fail "directoryRegistration into this release's directory needs a plaintext directory: the services' registration client does not speak TLS yet. Set directoryRegistration.enabled=false, or directory.tls.enabled=false, or register in another directory with directoryRegistration.endpoint" -}}
+{{- if $endpoint -}}
+{{- range $key := list "modelRegistry" "datastore" -}}
+{{- if (index $root.Values $key).enabled -}}
+{{- $regTls := include "cogment-aux.registrationTls" (dict "root" $root "key" $key) | fromYaml -}}
+{{- if not $reg.endpoint -}}
+{{- $dirTls := include "cogment-aux.tls" (dict "root" $root "key" "directory") | fromYaml -}}
+{{- if ne $regTls.enabled $dirTls.enabled -}}
+{{- fail (printf "directoryRegistration.tls.enabled=%v, but this release's directory %s: leave directoryRegistration.tls.enabled null to follow it" $reg.tls.enabled (ternary "serves TLS" "is plaintext" $dirTls.enabled)) -}}
+{{- end -}}
+{{- if and $dirTls.mtls (not $regTls.client) -}}
+{{- fail "directoryRegistration.tls.clientCert.enabled=false, but this release's directory requires client certificates (tls.clientCA.enabled): leave it null to follow the directory" -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq (toString $reg.tls.clientCert.enabled) "true") (not $regTls.enabled) -}}
+{{- fail "directoryRegistration.tls.clientCert.enabled=true needs TLS to the directory: a client certificate is only presented over TLS (directoryRegistration.tls.enabled)" -}}
+{{- end -}}
+{{- if and $regTls.enabled (not $regTls.caSecret) -}}
+{{- fail "directoryRegistration.tls.enabled with directoryRegistration.endpoint needs directoryRegistration.tls.caSecret: a Secret holding the CA bundle the directory's certificate is checked against (key directoryRegistration.tls.caKey)" -}}
+{{- end -}}
+{{- if and $regTls.client (not $regTls.certSecret) -}}
+{{- fail (printf "%s registers in a directory that requires client certificates, but has no certificate Secret of its own: set directoryRegistration.tls.clientCert.existingSecret (a kubernetes.io/tls Secret whose certificate allows client authentication)" $key) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -1,0 +1,669 @@
+"""`python -m services.datastore.client <command> [flags]`: a command-line client of the Trial
+Datastore (`TrialDatastoreSP`), the reference's `cogment client datastore`.
+
+Commands:
+* `list_trials` (alias `list`): a page of stored trials, in creation order: `--count` (default 10),
+  `--properties name=value,...` (trials having them all), `--from HANDLE` (where a previous page
+  ended: the caption of the table gives the next handle).
+* `delete_trials ID...` (alias `delete`): delete trials; unknown ids are not an error.
+* `export ID... [--file PATH]`: write the samples of trials to a trial export file (format in
+  `services.datastore.trial_file`); standard output without `--file` or with `--file -`. Trials
+  without samples are left out; ongoing trials are cut at the samples they had when the export
+  started.
+* `import [--file PATH] [--prefix P] [--user_id U]`: create the trials of an export file (standard
+  input without `--file` or with `--file -`) with ids prefixed by P, owned by U (default
+  `cogment CLI`), and add their samples. Nothing is imported if one of these ids exists.
+
+Fixed reference defects: `export` and `import` really use standard output / input when no file
+is given, an export replaces the file instead of overwriting its start, unknown trial ids fail
+the export before anything is written, and the import reader accepts short reads (pipes).
+
+Flags shared by every command (before or after the command name):
+`--endpoint` (`COGMENT_TRIAL_DATASTORE_ENDPOINT`, default `grpc://localhost:9003`), `--timeout`
+(`COGMENT_CLIENT_TIMEOUT`, seconds or a Go-style duration such as `30s`, `1m30s`, `500ms`;
+default 30 s) and `--console_output` (`COGMENT_CLIENT_CONSOLE_OUTPUT`, `text` or `json`).
+
+The timeout bounds each call; for exports and imports it bounds each sample (a transfer may take
+longer as long as it progresses). Calls fail at once when the datastore cannot be reached.
+Exports and imports show a progress bar on standard error when it is a terminal and the transfer
+is large, or with `--progress` (`--progress=false` never shows it); an import from a pipe has no
+known size, hence no progress bar.
+
+Exit codes: 0 success; 1 failure (datastore unreachable, unknown trials, existing trials on
+import, malformed export file, file errors, other gRPC errors); 2 invalid flags or environment
+variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import stat
+import sys
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO, TextIO, TypeVar
+
+import grpc
+
+from services.datastore.trial_file import TrialFileError, TrialFileReader, TrialFileWriter, file_header
+from services.model_registry.client import (
+    PROGRESS_BAR_WIDTH,
+    PROGRESS_OPTION,
+    Progress,
+    make_progress,
+)
+from shared.api import common_pb2, trial_datastore_pb2, trial_datastore_pb2_grpc
+from shared.cli import endpoint_arg, parse_duration, properties_arg, to_json
+from shared.config import Option, add_options, resolve
+from shared.endpoints import GrpcEndpoint
+
+PROG = "python -m services.datastore.client"
+DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9003)
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_IMPORT_USER_ID = "cogment CLI"
+TRIAL_ID_METADATA_KEY = "trial-id"
+# Trial ids per RetrieveTrials call when looking trials up by id (as the reference).
+TRIALS_PER_LOOKUP = 20
+# Samples read from an export file per hop to the reading thread.
+IMPORT_BATCH = 100
+# AddSample calls an import keeps open at once (one per trial; samples of trials interleave in a
+# file): past it, the least recently used one is finished, and a new one opened if needed.
+MAX_OPEN_ADD_SAMPLE_CALLS = 32
+# Automatic progress bars only for exports of at least this many samples.
+PROGRESS_MIN_SAMPLES = 10_000
+WRITE_BUFFER_BYTES = 1024 * 1024
+# Stored samples can exceed gRPC's 4 MiB default (the datastore expands rewards and payloads).
+MAX_RECEIVE_MESSAGE_BYTES = -1
+MAX_UINT32 = 2**32 - 1
+STDIO = "-"
+
+T = TypeVar("T")
+
+
+class ClientError(Exception):
+    """A failure reported to the user as `Error: <message>` with exit code 1."""
+
+
+# ---- option value parsers ----
+
+
+def count_arg(text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if not 0 < value <= MAX_UINT32:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a strictly positive number")
+    return value
+
+
+# ---- options ----
+
+COMMON_OPTIONS: list[Option] = [
+    Option(
+        "endpoint",
+        "the trial datastore gRPC endpoint URL",
+        DEFAULT_ENDPOINT,
+        "COGMENT_TRIAL_DATASTORE_ENDPOINT",
+        endpoint_arg,
+    ),
+    Option(
+        "timeout",
+        "timeout of each call (of each sample for exports and imports), in seconds or as a duration "
+        "(30s, 1m30s, 500ms)",
+        DEFAULT_TIMEOUT_S,
+        "COGMENT_CLIENT_TIMEOUT",
+        parse_duration,
+    ),
+    Option(
+        "console_output",
+        "console output format",
+        "text",
+        "COGMENT_CLIENT_CONSOLE_OUTPUT",
+        str.lower,
+        choices=["text", "json"],
+    ),
+]
+
+LIST_OPTIONS: list[Option] = [
+    Option("count", "maximum number of trials to retrieve", 10, parse=count_arg),
+    Option("properties", "trial properties the trials must have, as 'name=value,name2=value2'", {},
+           parse=properties_arg),
+    Option("from", "handle of the first trial to retrieve (the next trial handle of a previous list)", ""),
+]  # fmt: skip
+EXPORT_OPTIONS: list[Option] = [
+    Option("file", f"file to write (default or '{STDIO}': standard output)", ""),
+    PROGRESS_OPTION,
+]
+IMPORT_OPTIONS: list[Option] = [
+    Option("file", f"export file to read (default or '{STDIO}': standard input)", ""),
+    Option("prefix", "prefix added to the ids of the imported trials", ""),
+    Option("user_id", "user id of the imported trials", DEFAULT_IMPORT_USER_ID),
+    PROGRESS_OPTION,
+]
+
+
+# ---- progress bar ----
+
+
+class SampleProgress(Progress):
+    """The registry client's progress bar, counting samples instead of bytes."""
+
+    def _draw(self, now: float) -> None:
+        if self._stream is None:
+            return
+        self._last_draw = now
+        fraction = min(self._done / self._total, 1.0) if self._total else 1.0
+        filled = int(fraction * PROGRESS_BAR_WIDTH)
+        bar = "#" * filled + "." * (PROGRESS_BAR_WIDTH - filled)
+        rate = self._done / max(now - self._started, 1e-6)
+        line = f"{self._label} [{bar}] {fraction * 100:5.1f}% {self._done}/{self._total} samples {rate:.0f}/s"
+        self._stream.write("\r" + line.ljust(self._width))
+        self._stream.flush()
+        self._width = len(line)
+
+
+def make_sample_progress(label: str, total: int, values: Values, err: TextIO) -> SampleProgress:
+    wanted = values["progress"]
+    if wanted is None:
+        wanted = total >= PROGRESS_MIN_SAMPLES and err.isatty()
+    return SampleProgress(label, total, err if wanted else None)
+
+
+# ---- talking to the datastore ----
+
+
+class DatastoreClient:
+    """One datastore connection; every call fails at once if the datastore cannot be reached."""
+
+    def __init__(self, endpoint: GrpcEndpoint, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(
+            endpoint.address, options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+        )
+        self.stub = trial_datastore_pb2_grpc.TrialDatastoreSPStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def within_timeout(self, step: Awaitable[T], call: grpc.aio.Call | None = None) -> T:
+        """`step`, or a ClientError (cancelling `call`) if it takes longer than the timeout."""
+        try:
+            return await asyncio.wait_for(step, self.timeout_s)
+        except asyncio.TimeoutError:
+            if call is not None:
+                call.cancel()
+            raise ClientError(
+                f"the trial datastore at {self.endpoint} did not answer within {self.timeout_s:g} s"
+            ) from None
+
+    async def trial_infos(self, trial_ids: Sequence[str]) -> dict[str, trial_datastore_pb2.StoredTrialInfo]:
+        """The stored trials among `trial_ids`, by id."""
+        infos: dict[str, trial_datastore_pb2.StoredTrialInfo] = {}
+        for start in range(0, len(trial_ids), TRIALS_PER_LOOKUP):
+            reply = await self.stub.RetrieveTrials(
+                trial_datastore_pb2.RetrieveTrialsRequest(
+                    trial_ids=trial_ids[start : start + TRIALS_PER_LOOKUP]
+                ),
+                timeout=self.timeout_s,
+            )
+            infos.update((info.trial_id, info) for info in reply.trial_infos)
+        return infos
+
+
+# ---- output ----
+
+
+def id_list(trial_ids: Iterable[str]) -> str:
+    return "[" + ", ".join(trial_ids) + "]"
+
+
+def state_name(state: int) -> str:
+    try:
+        return common_pb2.TrialState.Name(state)  # type: ignore[arg-type]
+    except ValueError:
+        return str(state)
+
+
+def print_trials(reply: trial_datastore_pb2.RetrieveTrialsReply, handle: str, out: TextIO) -> None:
+    """The reference's table of trials, and its caption with the next handle."""
+    headers = ["TRIAL ID", "USER ID", "STATE", "SAMPLES", "ACTORS", "PROPERTIES"]
+    numeric = {3, 4}
+    rows = [
+        [
+            info.trial_id,
+            info.user_id,
+            state_name(info.last_state),
+            str(info.samples_count),
+            str(len(info.params.actors)),
+            ",".join(f"{name}={value}" for name, value in sorted(info.params.properties.items())),
+        ]
+        for info in reply.trial_infos
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+    for row in [headers, *rows]:
+        cells = [
+            cell.rjust(width) if index in numeric and row is not headers else cell.ljust(width)
+            for index, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip(), file=out)
+    origin = f" from <{handle}>" if handle else ""
+    print(
+        f"{len(rows)} trials retrieved{origin}, next trial handle is <{reply.next_trial_handle}>",
+        file=out,
+    )
+
+
+# ---- commands ----
+
+Values = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Context:
+    client: DatastoreClient
+    values: Values
+    out: TextIO
+    err: TextIO
+
+    @property
+    def json(self) -> bool:
+        return bool(self.values["console_output"] == "json")
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    trial_ids_help: str | None  # the command takes trial ids (one or more) when set
+    options: list[Option]
+    run: Callable[[Context], Awaitable[None]]
+    aliases: tuple[str, ...] = ()
+
+
+async def run_list_trials(context: Context) -> None:
+    client, values = context.client, context.values
+    reply = await client.stub.RetrieveTrials(
+        trial_datastore_pb2.RetrieveTrialsRequest(
+            trials_count=values["count"], trial_handle=values["from"], properties=values["properties"]
+        ),
+        timeout=client.timeout_s,
+    )
+    if context.json:
+        print(json.dumps(to_json(reply)), file=context.out)
+    else:
+        print_trials(reply, values["from"], context.out)
+
+
+async def run_delete_trials(context: Context) -> None:
+    trial_ids: list[str] = context.values["trial_ids"]
+    await context.client.stub.DeleteTrials(
+        trial_datastore_pb2.DeleteTrialsRequest(trial_ids=trial_ids), timeout=context.client.timeout_s
+    )
+    # As the reference: the count includes ids that were not stored.
+    message = f"{len(trial_ids)} trials no longer stored"
+    if context.json:
+        print(json.dumps({"message": message, "trial_ids": trial_ids}), file=context.out)
+    else:
+        print(message, file=context.out)
+
+
+async def run_export(context: Context) -> None:
+    client, values = context.client, context.values
+    trial_ids = list(dict.fromkeys(values["trial_ids"]))
+    infos = await client.trial_infos(trial_ids)
+    missing = [trial_id for trial_id in trial_ids if trial_id not in infos]
+    if missing:
+        raise ClientError(f"trials {id_list(missing)} not found")
+    # The counts known now: samples added later to ongoing trials are not exported.
+    counts = {
+        trial_id: infos[trial_id].samples_count for trial_id in trial_ids if infos[trial_id].samples_count
+    }
+    if not counts:
+        raise ClientError("no samples to export for selected trials")
+    header = file_header({trial_id: infos[trial_id].params for trial_id in counts})
+    progress = make_sample_progress(
+        f"Exporting {len(counts)} trials", sum(counts.values()), values, context.err
+    )
+
+    target: str = values["file"]
+    if target in ("", STDIO):
+        sink = binary_stream(context.out, "standard output")
+        try:
+            await export_samples(client, header, counts, TrialFileWriter(sink), progress)
+            sink.flush()
+        except OSError as error:
+            raise ClientError(f"cannot write to standard output: {error.strerror or error}") from None
+        return
+
+    path = Path(target)
+    try:
+        file = await asyncio.to_thread(path.open, "wb", WRITE_BUFFER_BYTES)
+    except OSError as error:
+        raise ClientError(f"cannot write [{path}]: {error.strerror or error}") from None
+    writer = TrialFileWriter(file)
+    completed = False
+    try:
+        with file:
+            samples = await export_samples(client, header, counts, writer, progress)
+        completed = True
+    except OSError as error:
+        raise ClientError(f"cannot write [{path}]: {error.strerror or error}") from None
+    finally:
+        if not completed:
+            remove_partial_file(path)
+
+    message = (
+        f'{len(counts)} trials exported to "{path}" ({samples} samples, {writer.bytes_written} bytes written)'
+    )
+    if context.json:
+        output = {
+            "bytes": writer.bytes_written,
+            "message": message,
+            "trial_ids": list(counts),
+            "filepath": str(path),
+            "samples_count": samples,
+        }
+        print(json.dumps(output), file=context.out)
+    else:
+        print(message, file=context.out)
+
+
+def binary_stream(stream: IO[str], what: str) -> BinaryIO:
+    binary: BinaryIO | None = getattr(stream, "buffer", None)
+    if binary is None:
+        raise ClientError(f"{what} does not accept binary data")
+    return binary
+
+
+def remove_partial_file(path: Path) -> None:
+    """Remove what a failed export wrote, unless the target is not a regular file (a pipe...)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(path.lstat().st_mode):
+            path.unlink()
+
+
+async def export_samples(
+    client: DatastoreClient,
+    header: trial_datastore_pb2.TrialSamplesFileHeader,
+    counts: Mapping[str, int],
+    writer: TrialFileWriter,
+    progress: SampleProgress,
+) -> int:
+    """Write the header, then the first `counts[trial]` samples of each trial; the number written."""
+    writer.write_header(header)
+    remaining = dict(counts)
+    written = 0
+    call = client.stub.RetrieveSamples(trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=list(counts)))
+    completed = False
+    try:
+        while remaining:
+            reply = await client.within_timeout(call.read(), call)
+            if reply is grpc.aio.EOF:
+                break  # every trial ended, with fewer samples than the datastore counted
+            assert isinstance(reply, trial_datastore_pb2.RetrieveSampleReply)
+            sample = reply.trial_sample
+            left = remaining.get(sample.trial_id, 0)
+            if not left:
+                continue
+            writer.write_sample(sample)
+            written += 1
+            progress.advance(1)
+            if left == 1:
+                del remaining[sample.trial_id]
+            else:
+                remaining[sample.trial_id] = left - 1
+        completed = True
+    finally:
+        call.cancel()  # ongoing trials: stop following them
+        progress.close(completed)
+    return written
+
+
+async def run_import(context: Context) -> None:
+    values = context.values
+    target: str = values["file"]
+    if target in ("", STDIO):
+        source: BinaryIO = binary_stream(sys.stdin, "standard input")
+        name = "stdin"
+        closing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    else:
+        path = Path(target)
+        try:
+            source = await asyncio.to_thread(path.open, "rb")
+        except OSError as error:
+            raise ClientError(f"cannot read [{path}]: {error.strerror or error}") from None
+        name = str(path)
+        closing = source
+
+    with closing:
+        size = input_size(source)
+        # No bar when the size is unknown (a pipe): there would be no total to show.
+        progress = make_progress("Importing", size, values, context.err) if size else Progress("", 0, None)
+        try:
+            counts = await import_trials(context.client, TrialFileReader(source), values, progress)
+        except OSError as error:
+            raise ClientError(f"cannot read [{name}]: {error.strerror or error}") from None
+
+    samples = sum(counts.values())
+    message = f'{len(counts)} trials imported ({samples} samples) from "{name}"'
+    if context.json:
+        output = {
+            "message": message,
+            "samples_count": samples,
+            "trials": [{"trial_id": trial_id, "samples_count": count} for trial_id, count in counts.items()],
+            "filepath": name,
+        }
+        print(json.dumps(output), file=context.out)
+    else:
+        print(message, file=context.out)
+
+
+def input_size(source: BinaryIO) -> int:
+    """Bytes left to read in `source` if it is a regular file, else 0."""
+    try:
+        status = os.fstat(source.fileno())
+        return max(status.st_size - source.tell(), 0) if stat.S_ISREG(status.st_mode) else 0
+    except (OSError, ValueError):
+        return 0
+
+
+async def import_trials(
+    client: DatastoreClient, reader: TrialFileReader, values: Values, progress: Progress
+) -> dict[str, int]:
+    """Create the trials of the file and add their samples; samples per imported trial id."""
+    try:
+        header = await asyncio.to_thread(reader.read_header)
+    except TrialFileError as error:
+        raise ClientError(str(error)) from None
+    prefix: str = values["prefix"]
+    target_ids = [prefix + trial_id for trial_id in header.trial_params]
+    existing = list(await client.trial_infos(target_ids))
+    if existing:
+        raise ClientError(f"trials {id_list(existing)} already exist in target datastore, import aborted")
+
+    importer = TrialImporter(client, header.trial_params, prefix, values["user_id"])
+    completed = False
+    reported = reader.bytes_read
+    progress.advance(reported)
+    try:
+        while True:
+            try:
+                samples = await asyncio.to_thread(reader.read_samples, IMPORT_BATCH)
+            except TrialFileError as error:
+                await importer.finish()  # what came before the error is imported
+                raise ClientError(f"{error}; the samples before it were imported") from None
+            if not samples:
+                break
+            for sample in samples:
+                await importer.add(sample)
+            progress.advance(reader.bytes_read - reported)
+            reported = reader.bytes_read
+        await importer.finish()
+        completed = True
+    finally:
+        importer.cancel()
+        progress.close(completed)
+    return importer.counts
+
+
+class TrialImporter:
+    """Adds the samples of an export file to the datastore: creates each trial at its first
+    sample, then streams its samples through an AddSample call of its own."""
+
+    def __init__(
+        self,
+        client: DatastoreClient,
+        params: Mapping[str, common_pb2.TrialParams],
+        prefix: str,
+        user_id: str,
+    ) -> None:
+        self._client = client
+        self._params = params
+        self._prefix = prefix
+        self._user_id = user_id
+        self.counts: dict[str, int] = {}  # imported trial id → samples added
+        self._calls: OrderedDict[str, grpc.aio.StreamUnaryCall] = OrderedDict()  # least recent first
+
+    async def add(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
+        trial_id = self._prefix + sample.trial_id
+        if trial_id not in self.counts:
+            await self._create(sample.trial_id, trial_id)
+        call = await self._call(trial_id)
+        sample.ClearField("trial_id")  # the datastore sets it from the call's `trial-id`
+        try:
+            await self._client.within_timeout(
+                call.write(trial_datastore_pb2.AddSampleRequest(trial_sample=sample)), call
+            )
+        except asyncio.InvalidStateError:
+            # The datastore ended the call early: its status says why.
+            await self._client.within_timeout(call, call)
+            raise ClientError(f"the datastore stopped accepting the samples of trial [{trial_id}]") from None
+        self.counts[trial_id] += 1
+
+    async def _create(self, file_trial_id: str, trial_id: str) -> None:
+        params = self._params.get(file_trial_id)
+        if params is None:
+            raise ClientError(
+                f"read a sample of trial [{file_trial_id}], whose parameters are missing from the file"
+            )
+        await self._client.stub.AddTrial(
+            trial_datastore_pb2.AddTrialRequest(user_id=self._user_id, trial_params=params),
+            metadata=((TRIAL_ID_METADATA_KEY, trial_id),),
+            timeout=self._client.timeout_s,
+        )
+        self.counts[trial_id] = 0
+
+    async def _call(self, trial_id: str) -> grpc.aio.StreamUnaryCall:
+        call = self._calls.get(trial_id)
+        if call is not None:
+            self._calls.move_to_end(trial_id)
+            return call
+        if len(self._calls) >= MAX_OPEN_ADD_SAMPLE_CALLS:
+            _, oldest = self._calls.popitem(last=False)
+            await self._finish(oldest)
+        call = self._client.stub.AddSample(metadata=((TRIAL_ID_METADATA_KEY, trial_id),))
+        self._calls[trial_id] = call
+        return call
+
+    async def _finish(self, call: grpc.aio.StreamUnaryCall) -> None:
+        """End the call; it replies once every sample is stored."""
+        with contextlib.suppress(asyncio.InvalidStateError):  # ended early: its status says why
+            await self._client.within_timeout(call.done_writing(), call)
+        await self._client.within_timeout(call, call)
+
+    async def finish(self) -> None:
+        while self._calls:
+            _, call = self._calls.popitem(last=False)
+            await self._finish(call)
+
+    def cancel(self) -> None:
+        """Abandon the calls still open (after an error)."""
+        for call in self._calls.values():
+            call.cancel()
+        self._calls.clear()
+
+
+TRIAL_IDS_HELP = "ids of the trials"
+COMMANDS: list[Command] = [
+    Command("list_trials", "list the stored trials", None, LIST_OPTIONS, run_list_trials, ("list",)),
+    Command("delete_trials", "delete stored trials", TRIAL_IDS_HELP, [], run_delete_trials, ("delete",)),
+    Command("export", "export the samples of trials to a file", TRIAL_IDS_HELP, EXPORT_OPTIONS, run_export),
+    Command("import", "import the trials and samples of an export file", None, IMPORT_OPTIONS, run_import),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Cogment Trial Datastore command-line client.",
+        epilog="Exit codes: 0 success, 1 failure, 2 invalid usage.",
+    )
+    add_options(parser, COMMON_OPTIONS)
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        subparser = commands.add_parser(
+            command.name, aliases=list(command.aliases), help=command.help, description=command.help
+        )
+        if command.trial_ids_help is not None:
+            subparser.add_argument("trial_ids", nargs="+", metavar="TRIAL_ID", help=command.trial_ids_help)
+        add_options(subparser, [*COMMON_OPTIONS, *command.options])
+        subparser.set_defaults(command_spec=command, command_parser=subparser)
+    return parser
+
+
+def describe_rpc_error(error: grpc.aio.AioRpcError, command: str, values: Values) -> str:
+    endpoint = values["endpoint"]
+    code = error.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"cannot reach the trial datastore at {endpoint} ({error.details()})"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the trial datastore at {endpoint} did not answer within {values['timeout']:g} s"
+    return f"{command} failed: {code.name}: {error.details()} (trial datastore {endpoint})"
+
+
+async def execute(command: Command, values: Values, out: TextIO, err: TextIO) -> None:
+    client = DatastoreClient(values["endpoint"], values["timeout"])
+    try:
+        await command.run(Context(client, values, out, err))
+    finally:
+        await client.close()
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command: Command = args.command_spec
+    subparser: argparse.ArgumentParser = args.command_parser
+    values = resolve(subparser, [*COMMON_OPTIONS, *command.options], args, environ)
+    if command.trial_ids_help is not None:
+        values["trial_ids"] = args.trial_ids
+    try:
+        asyncio.run(execute(command, values, out, err))
+    except ClientError as error:
+        print(f"Error: {error}", file=err)
+        return 1
+    except grpc.aio.AioRpcError as error:
+        print(f"Error: {describe_rpc_error(error, command.name, values)}", file=err)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
