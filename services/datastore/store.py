@@ -129,7 +129,6 @@ _APPEND = (
     )
     .returning(trials.c.samples_count)
 )
-_INSERT_SAMPLES = insert(samples)
 _DELETE_PROPERTIES = delete(properties).where(properties.c.trial_seq == bindparam("seq"))
 _INSERT_PROPERTIES = insert(properties)
 
@@ -139,6 +138,13 @@ class DatastoreStore:
         self.db = database
         self.feed = feed
         dialect: Any = postgresql if database.is_postgresql else sqlite
+        # The hottest statement, handed to the driver's executemany as is: SQLAlchemy's per-row
+        # work would cost more than SQLite's own (and on PostgreSQL it runs on the event loop).
+        mark = "%s" if database.is_postgresql else "?"
+        self._insert_samples = (
+            f"INSERT INTO {samples.name} ({samples.c.trial_seq.name}, {samples.c.sample_seq.name}, "
+            f"{samples.c.data.name}) VALUES ({mark}, {mark}, {mark})"
+        )
         upsert = dialect.insert(trials)
         # `reopen`: a new ingestion stream starts, live readers wait for it again.
         self._upsert_trial = upsert.on_conflict_do_update(
@@ -285,12 +291,10 @@ class DatastoreStore:
                     continue
                 first = int(count) - len(append.samples)
                 if append.samples:
-                    connection.execute(
-                        _INSERT_SAMPLES,
-                        [
-                            {"trial_seq": append.trial_seq, "sample_seq": first + index, "data": data}
-                            for index, data in enumerate(append.samples)
-                        ],
+                    seq = append.trial_seq
+                    connection.exec_driver_sql(
+                        self._insert_samples,
+                        [(seq, first + index, data) for index, data in enumerate(append.samples)],
                     )
                 firsts.append(first)
             self.feed.notify(connection, [samples_key(append.trial_seq) for append in appends])
