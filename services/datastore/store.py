@@ -16,16 +16,13 @@ from typing import Any
 from sqlalchemy import (
     Boolean,
     Integer,
-    SmallInteger,
     and_,
     bindparam,
     delete,
     exists,
     func,
     insert,
-    or_,
     select,
-    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
@@ -118,17 +115,6 @@ _READ_SAMPLES = (
 _LAST_SEQ = select(func.max(trials.c.trial_seq))
 # The row lock of this UPDATE serializes appends to one trial across replicas: sample numbers
 # are taken from the count it returns.
-_APPEND = (
-    update(trials)
-    .where(trials.c.trial_seq == bindparam("seq"))
-    .values(
-        samples_count=trials.c.samples_count + bindparam("added", type_=Integer),
-        last_state=func.coalesce(bindparam("state", type_=SmallInteger), trials.c.last_state),
-        ended=or_(trials.c.ended, bindparam("ended", type_=Boolean)),
-        closed=or_(trials.c.closed, bindparam("close", type_=Boolean)),
-    )
-    .returning(trials.c.samples_count)
-)
 _DELETE_PROPERTIES = delete(properties).where(properties.c.trial_seq == bindparam("seq"))
 _INSERT_PROPERTIES = insert(properties)
 
@@ -138,12 +124,18 @@ class DatastoreStore:
         self.db = database
         self.feed = feed
         dialect: Any = postgresql if database.is_postgresql else sqlite
-        # The hottest statement, handed to the driver's executemany as is: SQLAlchemy's per-row
-        # work would cost more than SQLite's own (and on PostgreSQL it runs on the event loop).
+        # The ingestion statements run on the driver's cursor: SQLAlchemy's work per execution
+        # cost more than the database's own (and on PostgreSQL it runs on the event loop).
+        # The UPDATE's row lock serializes appends to one trial across replicas: sample numbers
+        # are taken from the count it returns.
         mark = "%s" if database.is_postgresql else "?"
+        self._bump_trial = (
+            f"UPDATE {trials.name} SET samples_count = samples_count + {mark}, "
+            f"last_state = COALESCE({mark}, last_state), ended = (ended OR {mark}), "
+            f"closed = (closed OR {mark}) WHERE trial_seq = {mark} RETURNING samples_count"
+        )
         self._insert_samples = (
-            f"INSERT INTO {samples.name} ({samples.c.trial_seq.name}, {samples.c.sample_seq.name}, "
-            f"{samples.c.data.name}) VALUES ({mark}, {mark}, {mark})"
+            f"INSERT INTO {samples.name} (trial_seq, sample_seq, data) VALUES ({mark}, {mark}, {mark})"
         )
         upsert = dialect.insert(trials)
         # `reopen`: a new ingestion stream starts, live readers wait for it again.
@@ -275,28 +267,27 @@ class DatastoreStore:
 
         def write(connection: Connection) -> list[int | None]:
             firsts: list[int | None] = []
-            for append in appends:
-                count = connection.execute(
-                    _APPEND,
-                    {
-                        "seq": append.trial_seq,
-                        "added": len(append.samples),
-                        "state": append.last_state,
-                        "ended": append.ended,
-                        "close": append.close,
-                    },
-                ).scalar_one_or_none()
-                if count is None:
-                    firsts.append(None)
-                    continue
-                first = int(count) - len(append.samples)
-                if append.samples:
+            cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                for append in appends:
+                    added = len(append.samples)
                     seq = append.trial_seq
-                    connection.exec_driver_sql(
-                        self._insert_samples,
-                        [(seq, first + index, data) for index, data in enumerate(append.samples)],
+                    cursor.execute(
+                        self._bump_trial, (added, append.last_state, append.ended, append.close, seq)
                     )
-                firsts.append(first)
+                    row = cursor.fetchone()
+                    if row is None:
+                        firsts.append(None)
+                        continue
+                    first = int(row[0]) - added
+                    if added:
+                        cursor.executemany(
+                            self._insert_samples,
+                            [(seq, first + index, data) for index, data in enumerate(append.samples)],
+                        )
+                    firsts.append(first)
+            finally:
+                cursor.close()
             self.feed.notify(connection, [samples_key(append.trial_seq) for append in appends])
             return firsts
 
