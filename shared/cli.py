@@ -1,15 +1,31 @@
-"""What the command-line clients share: option parsers and JSON output."""
+"""What the command-line clients share: option parsers, JSON output, progress bars, and the
+program around their commands (flags into a command, the connection, errors into exit codes), so
+that each client module holds only its own commands."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
-from typing import Any
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, BinaryIO, ClassVar, Generic, TextIO, TypeVar
 
+import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from shared.config import Option, add_options, parse_bool, resolve
 from shared.endpoints import GrpcEndpoint, parse_grpc_endpoint, parse_properties
+
+DEFAULT_TIMEOUT_S = 30.0
+STDIO = "-"  # as a file name: standard input or output
+PROGRESS_INTERVAL_S = 0.1
+PROGRESS_BAR_WIDTH = 30
+
+T = TypeVar("T")
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _DURATION_UNITS = {
@@ -22,6 +38,17 @@ _DURATION_UNITS = {
     "m": 60.0,
     "h": 3600.0,
 }
+
+Values = Mapping[str, Any]
+# Reports invalid usage: argparse's `error`, which exits with code 2.
+Usage = Callable[[str], Any]
+
+
+class ClientError(Exception):
+    """A failure reported to the user as `Error: <message>` with exit code 1."""
+
+
+# ---- option value parsers ----
 
 
 def parse_duration(text: str) -> float:
@@ -60,5 +87,277 @@ def properties_arg(text: str) -> dict[str, str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+# ---- options every client has, or several ----
+
+
+def timeout_option(help_text: str) -> Option:
+    """`--timeout`; its help says what it bounds, which differs between clients."""
+    return Option("timeout", help_text, DEFAULT_TIMEOUT_S, "COGMENT_CLIENT_TIMEOUT", parse_duration)
+
+
+CONSOLE_OUTPUT_OPTION = Option(
+    "console_output",
+    "console output format",
+    "text",
+    "COGMENT_CLIENT_CONSOLE_OUTPUT",
+    str.lower,
+    choices=["text", "json"],
+)
+PROGRESS_OPTION = Option(
+    "progress",
+    "show a progress bar on standard error (default: for large transfers when it is a terminal)",
+    None,
+    parse=parse_bool,
+)
+
+
+# ---- output ----
+
+
 def to_json(message: Message) -> dict[str, Any]:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def binary_stream(stream: IO[str], what: str) -> BinaryIO:
+    """The bytes under a text stream (`what` names it in the error when it has none)."""
+    binary: BinaryIO | None = getattr(stream, "buffer", None)
+    if binary is None:
+        raise ClientError(f"{what} does not accept binary data")
+    return binary
+
+
+def mib(count: float) -> str:
+    return f"{count / (1024 * 1024):.1f}"
+
+
+@dataclass(frozen=True)
+class ProgressUnit:
+    """What a progress bar counts: how its amounts read, and from which total a bar shows by itself."""
+
+    # (done, total, done per second) → the amounts after the percentage.
+    amounts: Callable[[int, int, float], str]
+    automatic_min: int
+
+
+# Automatic byte bars only from two of the registry's 2 MiB upload chunks: smaller transfers end
+# before a bar would tell anything.
+BYTES = ProgressUnit(
+    lambda done, total, rate: f"{mib(done)}/{mib(total)} MiB {mib(rate)} MiB/s", 4 * 1024 * 1024
+)
+
+
+class Progress:
+    """A one-line progress bar rewritten in place (carriage return, no terminal control codes);
+    drawn on `stream`, or nowhere when it is None."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None, unit: ProgressUnit) -> None:
+        self._label = label
+        self._total = total
+        self._stream = stream
+        self._unit = unit
+        self._done = 0
+        self._started = time.monotonic()
+        self._last_draw = 0.0
+        self._width = 0
+
+    def advance(self, count: int) -> None:
+        self._done += count
+        now = time.monotonic()
+        if now - self._last_draw >= PROGRESS_INTERVAL_S:
+            self._draw(now)
+
+    def close(self, completed: bool) -> None:
+        if self._stream is None:
+            return
+        if completed:
+            self._draw(time.monotonic())
+        if self._width:
+            self._stream.write("\n")
+            self._stream.flush()
+
+    def _draw(self, now: float) -> None:
+        if self._stream is None:
+            return
+        self._last_draw = now
+        fraction = min(self._done / self._total, 1.0) if self._total else 1.0
+        filled = int(fraction * PROGRESS_BAR_WIDTH)
+        bar = "#" * filled + "." * (PROGRESS_BAR_WIDTH - filled)
+        amounts = self._unit.amounts(self._done, self._total, self._done / max(now - self._started, 1e-6))
+        line = f"{self._label} [{bar}] {fraction * 100:5.1f}% {amounts}"
+        self._stream.write("\r" + line.ljust(self._width))
+        self._stream.flush()
+        self._width = len(line)
+
+
+def make_progress(label: str, total: int, unit: ProgressUnit, values: Values, err: TextIO) -> Progress:
+    """The bar `--progress` asks for; without it, one for large transfers when `err` is a terminal."""
+    wanted = values["progress"]
+    if wanted is None:
+        wanted = total >= unit.automatic_min and err.isatty()
+    return Progress(label, total, err if wanted else None, unit)
+
+
+# ---- the connection ----
+
+
+class ServiceClient:
+    """One connection to the service of a client, with the timeout of its calls and the words
+    its failures are reported with."""
+
+    # The service, as messages name it ("model registry").
+    service: ClassVar[str]
+    # Whether calls wait for the service to be reachable (gRPC wait-for-ready): UNAVAILABLE is
+    # then the service's own answer, not a sign that it cannot be reached.
+    waits_for_ready: ClassVar[bool] = False
+
+    def __init__(
+        self, endpoint: GrpcEndpoint, timeout_s: float, channel_options: Sequence[tuple[str, int]]
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(endpoint.address, options=list(channel_options))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def no_answer(self) -> str:
+        return f"the {self.service} at {self.endpoint} did not answer within {self.timeout_s:g} s"
+
+    async def within_timeout(self, step: Awaitable[T], call: grpc.aio.Call | None = None) -> T:
+        """`step`, or a ClientError (cancelling `call`) if it takes longer than the timeout."""
+        try:
+            return await asyncio.wait_for(step, self.timeout_s)
+        except asyncio.TimeoutError:
+            if call is not None:
+                call.cancel()
+            raise ClientError(self.no_answer()) from None
+
+    def describe_rpc_error(self, error: grpc.aio.AioRpcError, command: str) -> str:
+        code = error.code()
+        if code == grpc.StatusCode.UNAVAILABLE and not self.waits_for_ready:
+            return f"cannot reach the {self.service} at {self.endpoint} ({error.details()})"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return self.no_answer()
+        return f"{command} failed: {code.name}: {error.details()} ({self.service} {self.endpoint})"
+
+
+C = TypeVar("C", bound=ServiceClient)
+
+
+# ---- commands ----
+
+
+@dataclass(frozen=True)
+class Context(Generic[C]):
+    """What a command runs with."""
+
+    client: C
+    values: Values  # flags and positional arguments, by name
+    out: TextIO
+    err: TextIO
+
+    @property
+    def json(self) -> bool:
+        return bool(self.values["console_output"] == "json")
+
+
+@dataclass(frozen=True)
+class Positional:
+    """A positional argument of a command (argparse's `add_argument` parameters)."""
+
+    name: str
+    help: str
+    parse: Callable[[str], Any] = str
+    nargs: str | None = None
+    metavar: str | None = None
+
+
+def _no_check(values: Values, usage: Usage) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Command(Generic[C]):
+    name: str
+    help: str
+    run: Callable[[Context[C]], Awaitable[None]]
+    options: Sequence[Option] = ()
+    positionals: Sequence[Positional] = ()
+    aliases: tuple[str, ...] = ()
+    # Checks the values before connecting; calls `usage` (exit code 2) on errors.
+    check: Callable[[Values, Usage], None] = _no_check
+    # Adds arguments that are not options (nor positionals) to the command's parser.
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+
+
+@dataclass(frozen=True)
+class ClientProgram(Generic[C]):
+    """A command-line client: its flags, its commands, and how it connects to its service.
+
+    `main` exits with 0 on success, 1 on failure (a ClientError, or a gRPC error described by the
+    client), 2 on invalid usage and 130 when interrupted."""
+
+    prog: str
+    description: str
+    options: Sequence[Option]  # the flags of every command
+    commands: Sequence[Command[C]]
+    connect: Callable[[Values], C]
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(
+            prog=self.prog,
+            description=self.description,
+            epilog="Exit codes: 0 success, 1 failure, 2 invalid usage.",
+        )
+        add_options(parser, self.options)
+        commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
+        for command in self.commands:
+            subparser = commands.add_parser(
+                command.name, aliases=list(command.aliases), help=command.help, description=command.help
+            )
+            for positional in command.positionals:
+                subparser.add_argument(
+                    positional.name,
+                    help=positional.help,
+                    type=positional.parse,
+                    nargs=positional.nargs,
+                    metavar=positional.metavar,
+                )
+            add_options(subparser, [*self.options, *command.options])
+            if command.add_arguments is not None:
+                command.add_arguments(subparser)
+            subparser.set_defaults(command_spec=command, command_parser=subparser)
+        return parser
+
+    def main(
+        self,
+        argv: Sequence[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+    ) -> int:
+        out = out or sys.stdout
+        err = err or sys.stderr
+        args = self.build_parser().parse_args(argv)
+        command: Command[C] = args.command_spec
+        subparser: argparse.ArgumentParser = args.command_parser
+        values = resolve(subparser, [*self.options, *command.options], args, environ)
+        values.update({positional.name: getattr(args, positional.name) for positional in command.positionals})
+        command.check(values, subparser.error)
+        try:
+            asyncio.run(self._execute(command, values, out, err))
+        except ClientError as error:
+            print(f"Error: {error}", file=err)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+        return 0
+
+    async def _execute(self, command: Command[C], values: Values, out: TextIO, err: TextIO) -> None:
+        client = self.connect(values)
+        try:
+            await command.run(Context(client, values, out, err))
+        except grpc.aio.AioRpcError as error:
+            raise ClientError(client.describe_rpc_error(error, command.name)) from None
+        finally:
+            await client.close()

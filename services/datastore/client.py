@@ -44,28 +44,39 @@ import os
 import stat
 import sys
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, BinaryIO, TextIO, TypeVar
+from typing import Any, BinaryIO, TextIO
 
 import grpc
 
 from services.datastore.trial_file import TrialFileError, TrialFileReader, TrialFileWriter, file_header
-from services.model_registry.client import (
-    PROGRESS_BAR_WIDTH,
-    PROGRESS_OPTION,
-    Progress,
-    make_progress,
-)
 from shared.api import common_pb2, trial_datastore_pb2, trial_datastore_pb2_grpc
-from shared.cli import endpoint_arg, parse_duration, properties_arg, to_json
-from shared.config import Option, add_options, resolve
+from shared.cli import (
+    BYTES,
+    CONSOLE_OUTPUT_OPTION,
+    PROGRESS_OPTION,
+    STDIO,
+    ClientError,
+    ClientProgram,
+    Command,
+    Context,
+    Positional,
+    Progress,
+    ProgressUnit,
+    ServiceClient,
+    Values,
+    binary_stream,
+    endpoint_arg,
+    make_progress,
+    properties_arg,
+    timeout_option,
+    to_json,
+)
+from shared.config import Option
 from shared.endpoints import GrpcEndpoint
 
-PROG = "python -m services.datastore.client"
 DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9003)
-DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_IMPORT_USER_ID = "cogment CLI"
 TRIAL_ID_METADATA_KEY = "trial-id"
 # Trial ids per RetrieveTrials call when looking trials up by id (as the reference).
@@ -81,14 +92,6 @@ WRITE_BUFFER_BYTES = 1024 * 1024
 # Stored samples can exceed gRPC's 4 MiB default (the datastore expands rewards and payloads).
 MAX_RECEIVE_MESSAGE_BYTES = -1
 MAX_UINT32 = 2**32 - 1
-STDIO = "-"
-
-T = TypeVar("T")
-
-
-class ClientError(Exception):
-    """A failure reported to the user as `Error: <message>` with exit code 1."""
-
 
 # ---- option value parsers ----
 
@@ -113,22 +116,11 @@ COMMON_OPTIONS: list[Option] = [
         "COGMENT_TRIAL_DATASTORE_ENDPOINT",
         endpoint_arg,
     ),
-    Option(
-        "timeout",
+    timeout_option(
         "timeout of each call (of each sample for exports and imports), in seconds or as a duration "
-        "(30s, 1m30s, 500ms)",
-        DEFAULT_TIMEOUT_S,
-        "COGMENT_CLIENT_TIMEOUT",
-        parse_duration,
+        "(30s, 1m30s, 500ms)"
     ),
-    Option(
-        "console_output",
-        "console output format",
-        "text",
-        "COGMENT_CLIENT_CONSOLE_OUTPUT",
-        str.lower,
-        choices=["text", "json"],
-    ),
+    CONSOLE_OUTPUT_OPTION,
 ]
 
 LIST_OPTIONS: list[Option] = [
@@ -151,58 +143,22 @@ IMPORT_OPTIONS: list[Option] = [
 
 # ---- progress bar ----
 
-
-class SampleProgress(Progress):
-    """The registry client's progress bar, counting samples instead of bytes."""
-
-    def _draw(self, now: float) -> None:
-        if self._stream is None:
-            return
-        self._last_draw = now
-        fraction = min(self._done / self._total, 1.0) if self._total else 1.0
-        filled = int(fraction * PROGRESS_BAR_WIDTH)
-        bar = "#" * filled + "." * (PROGRESS_BAR_WIDTH - filled)
-        rate = self._done / max(now - self._started, 1e-6)
-        line = f"{self._label} [{bar}] {fraction * 100:5.1f}% {self._done}/{self._total} samples {rate:.0f}/s"
-        self._stream.write("\r" + line.ljust(self._width))
-        self._stream.flush()
-        self._width = len(line)
-
-
-def make_sample_progress(label: str, total: int, values: Values, err: TextIO) -> SampleProgress:
-    wanted = values["progress"]
-    if wanted is None:
-        wanted = total >= PROGRESS_MIN_SAMPLES and err.isatty()
-    return SampleProgress(label, total, err if wanted else None)
+SAMPLES = ProgressUnit(lambda done, total, rate: f"{done}/{total} samples {rate:.0f}/s", PROGRESS_MIN_SAMPLES)
 
 
 # ---- talking to the datastore ----
 
 
-class DatastoreClient:
+class DatastoreClient(ServiceClient):
     """One datastore connection; every call fails at once if the datastore cannot be reached."""
 
+    service = "trial datastore"
+
     def __init__(self, endpoint: GrpcEndpoint, timeout_s: float) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(
-            endpoint.address, options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+        super().__init__(
+            endpoint, timeout_s, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
         )
-        self.stub = trial_datastore_pb2_grpc.TrialDatastoreSPStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def within_timeout(self, step: Awaitable[T], call: grpc.aio.Call | None = None) -> T:
-        """`step`, or a ClientError (cancelling `call`) if it takes longer than the timeout."""
-        try:
-            return await asyncio.wait_for(step, self.timeout_s)
-        except asyncio.TimeoutError:
-            if call is not None:
-                call.cancel()
-            raise ClientError(
-                f"the trial datastore at {self.endpoint} did not answer within {self.timeout_s:g} s"
-            ) from None
+        self.stub = trial_datastore_pb2_grpc.TrialDatastoreSPStub(self.channel)
 
     async def trial_infos(self, trial_ids: Sequence[str]) -> dict[str, trial_datastore_pb2.StoredTrialInfo]:
         """The stored trials among `trial_ids`, by id."""
@@ -263,32 +219,10 @@ def print_trials(reply: trial_datastore_pb2.RetrieveTrialsReply, handle: str, ou
 
 # ---- commands ----
 
-Values = Mapping[str, Any]
+DatastoreContext = Context[DatastoreClient]
 
 
-@dataclass(frozen=True)
-class Context:
-    client: DatastoreClient
-    values: Values
-    out: TextIO
-    err: TextIO
-
-    @property
-    def json(self) -> bool:
-        return bool(self.values["console_output"] == "json")
-
-
-@dataclass(frozen=True)
-class Command:
-    name: str
-    help: str
-    trial_ids_help: str | None  # the command takes trial ids (one or more) when set
-    options: list[Option]
-    run: Callable[[Context], Awaitable[None]]
-    aliases: tuple[str, ...] = ()
-
-
-async def run_list_trials(context: Context) -> None:
+async def run_list_trials(context: DatastoreContext) -> None:
     client, values = context.client, context.values
     reply = await client.stub.RetrieveTrials(
         trial_datastore_pb2.RetrieveTrialsRequest(
@@ -302,7 +236,7 @@ async def run_list_trials(context: Context) -> None:
         print_trials(reply, values["from"], context.out)
 
 
-async def run_delete_trials(context: Context) -> None:
+async def run_delete_trials(context: DatastoreContext) -> None:
     trial_ids: list[str] = context.values["trial_ids"]
     await context.client.stub.DeleteTrials(
         trial_datastore_pb2.DeleteTrialsRequest(trial_ids=trial_ids), timeout=context.client.timeout_s
@@ -315,7 +249,7 @@ async def run_delete_trials(context: Context) -> None:
         print(message, file=context.out)
 
 
-async def run_export(context: Context) -> None:
+async def run_export(context: DatastoreContext) -> None:
     client, values = context.client, context.values
     trial_ids = list(dict.fromkeys(values["trial_ids"]))
     infos = await client.trial_infos(trial_ids)
@@ -329,8 +263,8 @@ async def run_export(context: Context) -> None:
     if not counts:
         raise ClientError("no samples to export for selected trials")
     header = file_header({trial_id: infos[trial_id].params for trial_id in counts})
-    progress = make_sample_progress(
-        f"Exporting {len(counts)} trials", sum(counts.values()), values, context.err
+    progress = make_progress(
+        f"Exporting {len(counts)} trials", sum(counts.values()), SAMPLES, values, context.err
     )
 
     target: str = values["file"]
@@ -376,13 +310,6 @@ async def run_export(context: Context) -> None:
         print(message, file=context.out)
 
 
-def binary_stream(stream: IO[str], what: str) -> BinaryIO:
-    binary: BinaryIO | None = getattr(stream, "buffer", None)
-    if binary is None:
-        raise ClientError(f"{what} does not accept binary data")
-    return binary
-
-
 def remove_partial_file(path: Path) -> None:
     """Remove what a failed export wrote, unless the target is not a regular file (a pipe...)."""
     with contextlib.suppress(OSError):
@@ -395,7 +322,7 @@ async def export_samples(
     header: trial_datastore_pb2.TrialSamplesFileHeader,
     counts: Mapping[str, int],
     writer: TrialFileWriter,
-    progress: SampleProgress,
+    progress: Progress,
 ) -> int:
     """Write the header, then the first `counts[trial]` samples of each trial; the number written."""
     writer.write_header(header)
@@ -427,7 +354,7 @@ async def export_samples(
     return written
 
 
-async def run_import(context: Context) -> None:
+async def run_import(context: DatastoreContext) -> None:
     values = context.values
     target: str = values["file"]
     if target in ("", STDIO):
@@ -446,7 +373,11 @@ async def run_import(context: Context) -> None:
     with closing:
         size = input_size(source)
         # No bar when the size is unknown (a pipe): there would be no total to show.
-        progress = make_progress("Importing", size, values, context.err) if size else Progress("", 0, None)
+        progress = (
+            make_progress("Importing", size, BYTES, values, context.err)
+            if size
+            else Progress("", 0, None, BYTES)
+        )
         try:
             counts = await import_trials(context.client, TrialFileReader(source), values, progress)
         except OSError as error:
@@ -591,78 +522,26 @@ class TrialImporter:
         self._calls.clear()
 
 
-TRIAL_IDS_HELP = "ids of the trials"
-COMMANDS: list[Command] = [
-    Command("list_trials", "list the stored trials", None, LIST_OPTIONS, run_list_trials, ("list",)),
-    Command("delete_trials", "delete stored trials", TRIAL_IDS_HELP, [], run_delete_trials, ("delete",)),
-    Command("export", "export the samples of trials to a file", TRIAL_IDS_HELP, EXPORT_OPTIONS, run_export),
-    Command("import", "import the trials and samples of an export file", None, IMPORT_OPTIONS, run_import),
-]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Cogment Trial Datastore command-line client.",
-        epilog="Exit codes: 0 success, 1 failure, 2 invalid usage.",
-    )
-    add_options(parser, COMMON_OPTIONS)
-    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        subparser = commands.add_parser(
-            command.name, aliases=list(command.aliases), help=command.help, description=command.help
-        )
-        if command.trial_ids_help is not None:
-            subparser.add_argument("trial_ids", nargs="+", metavar="TRIAL_ID", help=command.trial_ids_help)
-        add_options(subparser, [*COMMON_OPTIONS, *command.options])
-        subparser.set_defaults(command_spec=command, command_parser=subparser)
-    return parser
-
-
-def describe_rpc_error(error: grpc.aio.AioRpcError, command: str, values: Values) -> str:
-    endpoint = values["endpoint"]
-    code = error.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return f"cannot reach the trial datastore at {endpoint} ({error.details()})"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"the trial datastore at {endpoint} did not answer within {values['timeout']:g} s"
-    return f"{command} failed: {code.name}: {error.details()} (trial datastore {endpoint})"
-
-
-async def execute(command: Command, values: Values, out: TextIO, err: TextIO) -> None:
-    client = DatastoreClient(values["endpoint"], values["timeout"])
-    try:
-        await command.run(Context(client, values, out, err))
-    finally:
-        await client.close()
-
-
-def main(
-    argv: Sequence[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-) -> int:
-    out = out or sys.stdout
-    err = err or sys.stderr
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    command: Command = args.command_spec
-    subparser: argparse.ArgumentParser = args.command_parser
-    values = resolve(subparser, [*COMMON_OPTIONS, *command.options], args, environ)
-    if command.trial_ids_help is not None:
-        values["trial_ids"] = args.trial_ids
-    try:
-        asyncio.run(execute(command, values, out, err))
-    except ClientError as error:
-        print(f"Error: {error}", file=err)
-        return 1
-    except grpc.aio.AioRpcError as error:
-        print(f"Error: {describe_rpc_error(error, command.name, values)}", file=err)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+TRIAL_IDS = Positional("trial_ids", "ids of the trials", nargs="+", metavar="TRIAL_ID")
+PROGRAM = ClientProgram(
+    prog="python -m services.datastore.client",
+    description="Cogment Trial Datastore command-line client.",
+    options=COMMON_OPTIONS,
+    commands=[
+        Command("list_trials", "list the stored trials", run_list_trials, LIST_OPTIONS, aliases=("list",)),
+        Command(
+            "delete_trials",
+            "delete stored trials",
+            run_delete_trials,
+            positionals=[TRIAL_IDS],
+            aliases=("delete",),
+        ),
+        Command("export", "export the samples of trials to a file", run_export, EXPORT_OPTIONS, [TRIAL_IDS]),
+        Command("import", "import the trials and samples of an export file", run_import, IMPORT_OPTIONS),
+    ],
+    connect=lambda values: DatastoreClient(values["endpoint"], values["timeout"]),
+)
+main = PROGRAM.main
 
 
 if __name__ == "__main__":

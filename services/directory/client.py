@@ -16,18 +16,27 @@ deregistration refused, other gRPC errors); 2 invalid flags or environment varia
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TextIO
-
-import grpc
+from collections.abc import Sequence
+from typing import TextIO
 
 from shared.api import directory_pb2, directory_pb2_grpc
-from shared.cli import endpoint_arg, parse_duration, properties_arg, to_json
-from shared.config import Option, add_options, parse_bool, port_number, resolve
+from shared.cli import (
+    CONSOLE_OUTPUT_OPTION,
+    ClientError,
+    ClientProgram,
+    Command,
+    Context,
+    ServiceClient,
+    Usage,
+    Values,
+    endpoint_arg,
+    properties_arg,
+    timeout_option,
+    to_json,
+)
+from shared.config import Option, parse_bool, port_number
 from shared.endpoints import (
     SERVICE_TYPES,
     GrpcEndpoint,
@@ -37,9 +46,7 @@ from shared.endpoints import (
 )
 from shared.version import PACKAGE_VERSION
 
-PROG = "python -m services.directory.client"
 DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9005)
-DEFAULT_TIMEOUT_S = 30.0
 TOKEN_METADATA_KEY = "authentication-token"
 # Added to every registration made with this client, as the reference does.
 CLIENT_PROPERTIES = {"__registration_source": "Cogment-Command_Line", "__version": PACKAGE_VERSION}
@@ -47,10 +54,6 @@ TYPE_NAMES = ", ".join(SERVICE_TYPES)
 MAX_UINT64 = 2**64 - 1
 # Initial and maximum delays between two connection attempts.
 RECONNECT_BACKOFF_MS = (250, 1000)
-
-
-class ClientError(Exception):
-    """A failure reported to the user as `Error: <message>` with exit code 1."""
 
 
 # ---- option value parsers ----
@@ -88,21 +91,8 @@ COMMON_OPTIONS: list[Option] = [
         "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN",
         aliases=["auth_token"],
     ),
-    Option(
-        "timeout",
-        "timeout of the operation, in seconds or as a duration (30s, 1m30s, 500ms)",
-        DEFAULT_TIMEOUT_S,
-        "COGMENT_CLIENT_TIMEOUT",
-        parse_duration,
-    ),
-    Option(
-        "console_output",
-        "console output format",
-        "text",
-        "COGMENT_CLIENT_CONSOLE_OUTPUT",
-        str.lower,
-        choices=["text", "json"],
-    ),
+    timeout_option("timeout of the operation, in seconds or as a duration (30s, 1m30s, 500ms)"),
+    CONSOLE_OUTPUT_OPTION,
 ]
 
 TYPE_OPTION_HELP = f"service type ({TYPE_NAMES})"
@@ -131,27 +121,26 @@ INQUIRE_OPTIONS: list[Option] = [
 # ---- talking to the directory ----
 
 
-class DirectoryClient:
+class DirectoryClient(ServiceClient):
     """One directory connection; every call waits for the directory until `timeout_s`."""
 
+    service = "directory"
+    waits_for_ready = True
+
     def __init__(self, endpoint: GrpcEndpoint, token: str, timeout_s: float) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
-        self._channel = grpc.aio.insecure_channel(
-            endpoint.address,
-            # Retry connecting often: waiting for a directory that is starting should end soon
-            # after it serves, not after gRPC's default backoff (which grows to 2 minutes).
-            options=[
+        # Retry connecting often: waiting for a directory that is starting should end soon
+        # after it serves, not after gRPC's default backoff (which grows to 2 minutes).
+        super().__init__(
+            endpoint,
+            timeout_s,
+            [
                 ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
                 ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
                 ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
             ],
         )
-        self._stub = directory_pb2_grpc.DirectorySPStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
+        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        self._stub = directory_pb2_grpc.DirectorySPStub(self.channel)
 
     async def register(self, request: directory_pb2.RegisterRequest) -> directory_pb2.RegisterReply:
         replies: list[directory_pb2.RegisterReply] = [
@@ -219,19 +208,7 @@ def print_services(services: Sequence[directory_pb2.FullServiceData], out: TextI
 
 # ---- commands ----
 
-Values = Mapping[str, Any]
-Usage = Callable[[str], Any]
-
-
-@dataclass(frozen=True)
-class Command:
-    name: str
-    help: str
-    options: list[Option]
-    run: Callable[[DirectoryClient, Values, TextIO], Awaitable[None]]
-    # Checks the flags before connecting; calls the usage function (exits with 2) on errors.
-    check: Callable[[Values, Usage], None] = lambda values, usage: None
-    aliases: tuple[str, ...] = ()
+DirectoryContext = Context[DirectoryClient]
 
 
 def check_register(values: Values, usage: Usage) -> None:
@@ -243,7 +220,8 @@ def check_register(values: Values, usage: Usage) -> None:
         usage("--ssl_required only applies to --protocol grpc")
 
 
-async def run_register(client: DirectoryClient, values: Values, out: TextIO) -> None:
+async def run_register(context: DirectoryContext) -> None:
+    client, values, out = context.client, context.values, context.out
     if values["protocol"] == "cogment":
         protocol = directory_pb2.ServiceEndpoint.COGMENT
     elif values["ssl_required"]:
@@ -260,7 +238,7 @@ async def run_register(client: DirectoryClient, values: Values, out: TextIO) -> 
     reply = await client.register(request)
     if reply.status != directory_pb2.RegisterReply.OK:
         raise ClientError(f"Service registration failed [{reply.error_msg}]")
-    if values["console_output"] == "json":
+    if context.json:
         print(json.dumps(to_json(reply)), file=out)
     else:
         print(f"Service ID [{reply.service_id}] \tSecret [{reply.secret}]", file=out)
@@ -271,12 +249,13 @@ def check_deregister(values: Values, usage: Usage) -> None:
         usage("deregister needs --service_id")
 
 
-async def run_deregister(client: DirectoryClient, values: Values, out: TextIO) -> None:
+async def run_deregister(context: DirectoryContext) -> None:
+    client, values, out = context.client, context.values, context.out
     request = directory_pb2.DeregisterRequest(service_id=values["service_id"], secret=values["secret"])
     reply = await client.deregister(request)
     if reply.status != directory_pb2.DeregisterReply.OK:
         raise ClientError(f"Service deregistration failed [{reply.error_msg}]")
-    if values["console_output"] == "json":
+    if context.json:
         print(json.dumps(to_json(reply)), file=out)
 
 
@@ -285,7 +264,8 @@ def check_inquire(values: Values, usage: Usage) -> None:
         usage("Can only inquire with a service ID or type/properties, not both")
 
 
-async def run_inquire(client: DirectoryClient, values: Values, out: TextIO) -> None:
+async def run_inquire(context: DirectoryContext) -> None:
+    client, values, out = context.client, context.values, context.out
     if values["service_id"]:
         request = directory_pb2.InquireRequest(service_id=values["service_id"])
     else:
@@ -295,97 +275,50 @@ async def run_inquire(client: DirectoryClient, values: Values, out: TextIO) -> N
             )
         )
     services = await client.inquire(request)
-    if values["console_output"] == "json":
+    if context.json:
         print(json.dumps({"services": [to_json(service) for service in services]}), file=out)
     else:
         print_services(services, out)
 
 
-async def run_wait_for_ready(client: DirectoryClient, values: Values, out: TextIO) -> None:
-    await client.wait_for_ready()
+async def run_wait_for_ready(context: DirectoryContext) -> None:
+    await context.client.wait_for_ready()
 
 
-COMMANDS: list[Command] = [
-    Command(
-        "register", "register a service in the directory", REGISTER_OPTIONS, run_register, check_register
-    ),
-    Command(
-        "deregister",
-        "remove a service from the directory",
-        DEREGISTER_OPTIONS,
-        run_deregister,
-        check_deregister,
-    ),
-    Command("inquire", "find services in the directory", INQUIRE_OPTIONS, run_inquire, check_inquire),
-    Command(
-        "wait_for_ready",
-        "wait until the directory answers (exit code 1 on timeout)",
-        [],
-        run_wait_for_ready,
-        aliases=("WaitForReady",),
-    ),
-]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Cogment Directory command-line client.",
-        epilog="Exit codes: 0 success, 1 failure, 2 invalid usage.",
-    )
-    add_options(parser, COMMON_OPTIONS)
-    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        subparser = commands.add_parser(
-            command.name, aliases=list(command.aliases), help=command.help, description=command.help
-        )
-        add_options(subparser, [*COMMON_OPTIONS, *command.options])
-        subparser.set_defaults(command_spec=command, command_parser=subparser)
-    return parser
-
-
-def describe_rpc_error(error: grpc.aio.AioRpcError, command: str, values: Values) -> str:
-    endpoint = values["directory_endpoint"]
-    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"the directory at {endpoint} did not answer within {values['timeout']:g} s"
-    return f"{command} failed: {error.code().name}: {error.details()} (directory {endpoint})"
-
-
-async def execute(command: Command, values: Values, out: TextIO) -> None:
-    client = DirectoryClient(
+PROGRAM = ClientProgram(
+    prog="python -m services.directory.client",
+    description="Cogment Directory command-line client.",
+    options=COMMON_OPTIONS,
+    commands=[
+        Command(
+            "register",
+            "register a service in the directory",
+            run_register,
+            REGISTER_OPTIONS,
+            check=check_register,
+        ),
+        Command(
+            "deregister",
+            "remove a service from the directory",
+            run_deregister,
+            DEREGISTER_OPTIONS,
+            check=check_deregister,
+        ),
+        Command(
+            "inquire", "find services in the directory", run_inquire, INQUIRE_OPTIONS, check=check_inquire
+        ),
+        Command(
+            "wait_for_ready",
+            "wait until the directory answers (exit code 1 on timeout)",
+            run_wait_for_ready,
+            aliases=("WaitForReady",),
+        ),
+    ],
+    connect=lambda values: DirectoryClient(
         values["directory_endpoint"], values["directory_authentication_token"], values["timeout"]
-    )
-    try:
-        await command.run(client, values, out)
-    finally:
-        await client.close()
-
-
-def main(
-    argv: Sequence[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-) -> int:
-    out = out or sys.stdout
-    err = err or sys.stderr
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    command: Command = args.command_spec
-    subparser: argparse.ArgumentParser = args.command_parser
-    values = resolve(subparser, [*COMMON_OPTIONS, *command.options], args, environ)
-    command.check(values, subparser.error)
-    try:
-        asyncio.run(execute(command, values, out))
-    except ClientError as error:
-        print(f"Error: {error}", file=err)
-        return 1
-    except grpc.aio.AioRpcError as error:
-        print(f"Error: {describe_rpc_error(error, command.name, values)}", file=err)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    ),
+)
+main = PROGRAM.main
 
 
 if __name__ == "__main__":

@@ -39,41 +39,44 @@ import json
 import os
 import sys
 import tempfile
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import IO, Any, TextIO, TypeVar
+from typing import IO, Any, TextIO
 
 import grpc
 
 from shared.api import model_registry_pb2, model_registry_pb2_grpc
-from shared.cli import endpoint_arg, parse_duration, properties_arg, to_json
-from shared.config import Option, add_options, parse_bool, resolve
+from shared.cli import (
+    BYTES,
+    CONSOLE_OUTPUT_OPTION,
+    PROGRESS_OPTION,
+    STDIO,
+    ClientError,
+    ClientProgram,
+    Command,
+    Context,
+    Positional,
+    Progress,
+    ServiceClient,
+    binary_stream,
+    endpoint_arg,
+    make_progress,
+    properties_arg,
+    timeout_option,
+    to_json,
+)
+from shared.config import Option, parse_bool
 from shared.endpoints import GrpcEndpoint
 
-PROG = "python -m services.model_registry.client"
 DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9002)
-DEFAULT_TIMEOUT_S = 30.0
 CHUNK_SIZE = 2 * 1024 * 1024  # upload chunks, as the SDK sends them
 PAGE_SIZE = 100  # models / versions asked per call when listing
 # Received messages may be larger than gRPC's 4 MiB default (a registry configured with larger
 # chunks, as the reference's stale 5 MB documentation suggests).
 MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
-PROGRESS_MIN_BYTES = 2 * CHUNK_SIZE  # automatic progress bars only for transfers this large
-PROGRESS_INTERVAL_S = 0.1
-PROGRESS_BAR_WIDTH = 30
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-STDIO = "-"
-
-T = TypeVar("T")
-
-
-class ClientError(Exception):
-    """A failure reported to the user as `Error: <message>` with exit code 1."""
-
 
 # ---- option value parsers ----
 
@@ -110,29 +113,12 @@ COMMON_OPTIONS: list[Option] = [
         endpoint_arg,
         aliases=["model_registry_endpoint"],
     ),
-    Option(
-        "timeout",
-        "timeout of each call (of each chunk for transfers), in seconds or as a duration (30s, 1m30s, 500ms)",
-        DEFAULT_TIMEOUT_S,
-        "COGMENT_CLIENT_TIMEOUT",
-        parse_duration,
+    timeout_option(
+        "timeout of each call (of each chunk for transfers), in seconds or as a duration (30s, 1m30s, 500ms)"
     ),
-    Option(
-        "console_output",
-        "console output format",
-        "text",
-        "COGMENT_CLIENT_CONSOLE_OUTPUT",
-        str.lower,
-        choices=["text", "json"],
-    ),
+    CONSOLE_OUTPUT_OPTION,
 ]
 
-PROGRESS_OPTION = Option(
-    "progress",
-    "show a progress bar on standard error (default: for large transfers when it is a terminal)",
-    None,
-    parse=parse_bool,
-)
 UPLOAD_OPTIONS: list[Option] = [
     Option("archived", "archive the version (--no-archived: cache it only)", True, parse=parse_bool),
     Option("user_data", "user data of the version, as 'name=value,name2=value2'", {}, parse=properties_arg),
@@ -145,91 +131,19 @@ DOWNLOAD_OPTIONS: list[Option] = [
 ]
 
 
-# ---- progress bar ----
-
-
-class Progress:
-    """A one-line progress bar rewritten in place (carriage return, no terminal control codes)."""
-
-    def __init__(self, label: str, total: int, stream: TextIO | None) -> None:
-        self._label = label
-        self._total = total
-        self._stream = stream
-        self._done = 0
-        self._started = time.monotonic()
-        self._last_draw = 0.0
-        self._width = 0
-
-    def advance(self, count: int) -> None:
-        self._done += count
-        now = time.monotonic()
-        if now - self._last_draw >= PROGRESS_INTERVAL_S:
-            self._draw(now)
-
-    def close(self, completed: bool) -> None:
-        if self._stream is None:
-            return
-        if completed:
-            self._draw(time.monotonic())
-        if self._width:
-            self._stream.write("\n")
-            self._stream.flush()
-
-    def _draw(self, now: float) -> None:
-        if self._stream is None:
-            return
-        self._last_draw = now
-        fraction = min(self._done / self._total, 1.0) if self._total else 1.0
-        filled = int(fraction * PROGRESS_BAR_WIDTH)
-        bar = "#" * filled + "." * (PROGRESS_BAR_WIDTH - filled)
-        elapsed = max(now - self._started, 1e-6)
-        line = (
-            f"{self._label} [{bar}] {fraction * 100:5.1f}% "
-            f"{mib(self._done)}/{mib(self._total)} MiB {mib(self._done / elapsed)} MiB/s"
-        )
-        self._stream.write("\r" + line.ljust(self._width))
-        self._stream.flush()
-        self._width = len(line)
-
-
-def mib(count: float) -> str:
-    return f"{count / (1024 * 1024):.1f}"
-
-
-def make_progress(label: str, total: int, values: Values, err: TextIO) -> Progress:
-    wanted = values["progress"]
-    if wanted is None:
-        wanted = total >= PROGRESS_MIN_BYTES and err.isatty()
-    return Progress(label, total, err if wanted else None)
-
-
 # ---- talking to the registry ----
 
 
-class ModelRegistryClient:
+class ModelRegistryClient(ServiceClient):
     """One registry connection; every call fails at once if the registry cannot be reached."""
 
+    service = "model registry"
+
     def __init__(self, endpoint: GrpcEndpoint, timeout_s: float) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(
-            endpoint.address, options=[("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+        super().__init__(
+            endpoint, timeout_s, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
         )
-        self.stub = model_registry_pb2_grpc.ModelRegistrySPStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def within_timeout(self, step: Awaitable[T], call: grpc.aio.Call | None = None) -> T:
-        """`step`, or a ClientError (cancelling `call`) if it takes longer than the timeout."""
-        try:
-            return await asyncio.wait_for(step, self.timeout_s)
-        except asyncio.TimeoutError:
-            if call is not None:
-                call.cancel()
-            raise ClientError(
-                f"the model registry at {self.endpoint} did not answer within {self.timeout_s:g} s"
-            ) from None
+        self.stub = model_registry_pb2_grpc.ModelRegistrySPStub(self.channel)
 
     async def list_models(self) -> list[model_registry_pb2.ModelInfo]:
         models: list[model_registry_pb2.ModelInfo] = []
@@ -331,33 +245,10 @@ def print_version(info: model_registry_pb2.ModelVersionInfo, out: TextIO) -> Non
 
 # ---- commands ----
 
-Values = Mapping[str, Any]
-Usage = Callable[[str], Any]
+RegistryContext = Context[ModelRegistryClient]
 
 
-@dataclass(frozen=True)
-class Context:
-    client: ModelRegistryClient
-    values: Values
-    out: TextIO
-    err: TextIO
-
-    @property
-    def json(self) -> bool:
-        return bool(self.values["console_output"] == "json")
-
-
-@dataclass(frozen=True)
-class Command:
-    name: str
-    help: str
-    positionals: tuple[tuple[str, str], ...]  # (name, help)
-    options: list[Option]
-    run: Callable[[Context], Awaitable[None]]
-    aliases: tuple[str, ...] = ()
-
-
-async def run_list_models(context: Context) -> None:
+async def run_list_models(context: RegistryContext) -> None:
     models = await context.client.list_models()
     if context.json:
         print(json.dumps({"models": [to_json(model) for model in models]}), file=context.out)
@@ -368,7 +259,7 @@ async def run_list_models(context: Context) -> None:
         print_user_data(model.user_data, context.out)
 
 
-async def run_list_versions(context: Context) -> None:
+async def run_list_versions(context: RegistryContext) -> None:
     model_id = context.values["model_id"]
     versions = await context.client.list_versions(model_id)
     if context.json:
@@ -390,7 +281,7 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, base64.b64encode(digest.digest()).decode("ascii")
 
 
-async def run_upload(context: Context) -> None:
+async def run_upload(context: RegistryContext) -> None:
     client, values = context.client, context.values
     model_id: str = values["model_id"]
     path = Path(values["file"])
@@ -419,7 +310,7 @@ async def run_upload(context: Context) -> None:
                 )
             )
         )
-        progress = make_progress(f"Uploading {path.name}", size, values, context.err)
+        progress = make_progress(f"Uploading {path.name}", size, BYTES, values, context.err)
         completed = False
         try:
             reply = await send_version(client, model_id, header, source, size, data_hash, progress)
@@ -480,17 +371,15 @@ async def send_version(
         raise
 
 
-async def run_download(context: Context) -> None:
+async def run_download(context: RegistryContext) -> None:
     client, values = context.client, context.values
     model_id: str = values["model_id"]
     info = await client.version_info(model_id, values["version"])
     target: str = values["file"]
     label = f"Downloading version {info.version_number}"
     if target == STDIO:
-        sink = getattr(context.out, "buffer", None)
-        if sink is None:
-            raise ClientError("standard output does not accept binary data")
-        progress = make_progress(label, info.data_size, values, context.err)
+        sink = binary_stream(context.out, "standard output")
+        progress = make_progress(label, info.data_size, BYTES, values, context.err)
         completed = False
         try:
             await receive_version(client, info, sink, progress)
@@ -512,7 +401,7 @@ async def run_download(context: Context) -> None:
     # The temporary file is private (0600): give the target the usual permissions.
     with contextlib.suppress(OSError):
         os.chmod(temporary.fileno(), 0o666 & ~current_umask())
-    progress = make_progress(label, info.data_size, values, context.err)
+    progress = make_progress(label, info.data_size, BYTES, values, context.err)
     completed = False
     try:
         with temporary:
@@ -592,7 +481,7 @@ async def receive_version(
         )
 
 
-async def run_delete_model(context: Context) -> None:
+async def run_delete_model(context: RegistryContext) -> None:
     model_id = context.values["model_id"]
     try:
         await context.client.stub.DeleteModel(
@@ -608,113 +497,58 @@ async def run_delete_model(context: Context) -> None:
         print(f"Model [{model_id}] deleted", file=context.out)
 
 
-MODEL_ID = ("model_id", "id of the model")
-COMMANDS: list[Command] = [
-    Command("list_models", "list the models and their user data", (), [], run_list_models, ("models",)),
-    Command(
-        "list_versions",
-        "list the versions of a model",
-        (MODEL_ID,),
-        [],
-        run_list_versions,
-        ("versions",),
-    ),
-    Command(
-        "upload",
-        "create a version of a model from a file",
-        (MODEL_ID, ("file", "file holding the data of the version")),
-        UPLOAD_OPTIONS,
-        run_upload,
-    ),
-    Command(
-        "download",
-        "write the data of a version of a model to a file",
-        (MODEL_ID, ("file", f"file to write ('{STDIO}': standard output)")),
-        DOWNLOAD_OPTIONS,
-        run_download,
-    ),
-    Command(
-        "delete_model",
-        "delete a model and all its versions",
-        (MODEL_ID,),
-        [],
-        run_delete_model,
-        ("delete",),
-    ),
-]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Cogment Model Registry command-line client.",
-        epilog="Exit codes: 0 success, 1 failure, 2 invalid usage.",
+def add_no_archived(parser: argparse.ArgumentParser) -> None:
+    """`--no-archived`, the negation of `--archived` (which defaults to true)."""
+    parser.add_argument(
+        "--no-archived",
+        "--no_archived",
+        dest="archived",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="keep the version in the registry's cache only (not archived)",
     )
-    add_options(parser, COMMON_OPTIONS)
-    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        subparser = commands.add_parser(
-            command.name, aliases=list(command.aliases), help=command.help, description=command.help
-        )
-        for name, help_text in command.positionals:
-            subparser.add_argument(name, help=help_text, type=model_id_arg if name == "model_id" else str)
-        add_options(subparser, [*COMMON_OPTIONS, *command.options])
-        if any(option.flag == "archived" for option in command.options):
-            subparser.add_argument(
-                "--no-archived",
-                "--no_archived",
-                dest="archived",
-                action="store_false",
-                default=argparse.SUPPRESS,
-                help="keep the version in the registry's cache only (not archived)",
-            )
-        subparser.set_defaults(command_spec=command, command_parser=subparser)
-    return parser
 
 
-def describe_rpc_error(error: grpc.aio.AioRpcError, command: str, values: Values) -> str:
-    endpoint = values["endpoint"]
-    code = error.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return f"cannot reach the model registry at {endpoint} ({error.details()})"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"the model registry at {endpoint} did not answer within {values['timeout']:g} s"
-    return f"{command} failed: {code.name}: {error.details()} (model registry {endpoint})"
-
-
-async def execute(command: Command, values: Values, out: TextIO, err: TextIO) -> None:
-    client = ModelRegistryClient(values["endpoint"], values["timeout"])
-    try:
-        await command.run(Context(client, values, out, err))
-    finally:
-        await client.close()
-
-
-def main(
-    argv: Sequence[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-) -> int:
-    out = out or sys.stdout
-    err = err or sys.stderr
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    command: Command = args.command_spec
-    subparser: argparse.ArgumentParser = args.command_parser
-    values = resolve(subparser, [*COMMON_OPTIONS, *command.options], args, environ)
-    values.update({name: getattr(args, name) for name, _ in command.positionals})
-    try:
-        asyncio.run(execute(command, values, out, err))
-    except ClientError as error:
-        print(f"Error: {error}", file=err)
-        return 1
-    except grpc.aio.AioRpcError as error:
-        print(f"Error: {describe_rpc_error(error, command.name, values)}", file=err)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+MODEL_ID = Positional("model_id", "id of the model", model_id_arg)
+PROGRAM = ClientProgram(
+    prog="python -m services.model_registry.client",
+    description="Cogment Model Registry command-line client.",
+    options=COMMON_OPTIONS,
+    commands=[
+        Command("list_models", "list the models and their user data", run_list_models, aliases=("models",)),
+        Command(
+            "list_versions",
+            "list the versions of a model",
+            run_list_versions,
+            positionals=[MODEL_ID],
+            aliases=("versions",),
+        ),
+        Command(
+            "upload",
+            "create a version of a model from a file",
+            run_upload,
+            UPLOAD_OPTIONS,
+            [MODEL_ID, Positional("file", "file holding the data of the version")],
+            add_arguments=add_no_archived,
+        ),
+        Command(
+            "download",
+            "write the data of a version of a model to a file",
+            run_download,
+            DOWNLOAD_OPTIONS,
+            [MODEL_ID, Positional("file", f"file to write ('{STDIO}': standard output)")],
+        ),
+        Command(
+            "delete_model",
+            "delete a model and all its versions",
+            run_delete_model,
+            positionals=[MODEL_ID],
+            aliases=("delete",),
+        ),
+    ],
+    connect=lambda values: ModelRegistryClient(values["endpoint"], values["timeout"]),
+)
+main = PROGRAM.main
 
 
 if __name__ == "__main__":
