@@ -164,10 +164,13 @@ class SampleBatcher:
     async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend]]) -> None:
         try:
             firsts = await self._store.append([append for _, append in batch])
-        except Exception as error:  # the streams concerned report it
-            log.warning("could not store a batch of samples", appends=len(batch), error=str(error))
-            for buffer, _ in batch:
-                buffer.failed(error)
+        except Exception as error:
+            if len(batch) > 1:  # the transaction rolled back: find the append at fault
+                for item in batch:
+                    await self._write([item])
+                return
+            log.warning("could not store samples", trial_seq=batch[0][1].trial_seq, error=str(error))
+            batch[0][0].failed(error)  # its stream reports it
             return
         for (buffer, append), first in zip(batch, firsts, strict=True):
             if first is None:

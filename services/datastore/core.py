@@ -31,6 +31,8 @@ MAX_IN_FLIGHT = 2000
 # The user id of trials ingested without a `user-id` header (the reference's constant).
 DEFAULT_DATALOG_USER_ID = "log exporter server"
 ENDED = common_pb2.ENDED
+KNOWN_STATES = frozenset(common_pb2.TrialState.values())
+MAX_HANDLE = 2**63 - 1
 
 log = get_logger("datastore.core")
 R = TypeVar("R")
@@ -55,23 +57,23 @@ def checked_trial_id(trial_id: str) -> str:
 
 
 def parse_handle(handle: str) -> int:
+    """Handles are ASCII decimal positions (empty = 0), as the reference parses them; past the
+    last possible position (trial_seq is a signed 64-bit column) they mean the end."""
     if not handle:
         return 0
-    try:
-        value = int(handle)
-    except ValueError:
-        value = -1
-    if value < 0:
+    if not (handle.isascii() and handle.isdecimal()):
         raise InvalidRequest(
             f'Invalid value for `trial_handle` "{quoted(handle)}": expected a decimal position'
         )
-    return value
+    digits = handle.lstrip("0") or "0"
+    return MAX_HANDLE if len(digits) > 19 else min(int(digits), MAX_HANDLE)
 
 
 def _stored_state(state: int, out_of_sync: bool = False) -> int:
     """The state a sample sets in its trial: out-of-sync samples (late rewards of past ticks,
-    with no state) set none, and nothing un-ends a trial (see DatastoreStore.append)."""
-    return NO_STATE if out_of_sync else state
+    with no state) set none, nor do numbers that are no TrialState (kept in the sample as sent),
+    and nothing un-ends a trial (see DatastoreStore.append)."""
+    return NO_STATE if out_of_sync or state not in KNOWN_STATES else state
 
 
 class Ingestion:

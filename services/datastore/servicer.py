@@ -8,6 +8,8 @@ once everything is.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -177,9 +179,16 @@ class DatalogIngestion:
             raise InvalidRequest(
                 'DatalogServer.RunTrialDatalog: initial message is not of type "cogment.TrialParams"'
             )
-        ingestion: Ingestion = await self.datastore.open_datalog(
-            ids[0], users[0] if users else "", first.trial_params
+        opening = asyncio.ensure_future(
+            self.datastore.open_datalog(ids[0], users[0] if users else "", first.trial_params)
         )
+        try:
+            ingestion: Ingestion = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The trial may be (re)opened all the same: close it, or its readers wait forever.
+            with contextlib.suppress(Exception):
+                await (await opening).close()
+            raise
         try:
             yield 1
             async for committed in ingestion.ingest_datalog(requests, _datalog_sample):
