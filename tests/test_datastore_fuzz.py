@@ -1,11 +1,10 @@
 """Property-based fuzzing of every Trial Datastore RPC (TrialDatastoreSP, DatalogSP, LogExporterSP),
 over real gRPC, on SQLite and on PostgreSQL.
 
-As in test_model_registry_fuzz.py (whose call helpers and text strategies this file reuses): each
-test runs one real datastore (`datastore_factory`) in an event loop of its own, in a background
-thread; hypothesis examples are plain synchronous functions that hand their async body to that
-loop. The datastore is seeded with trials to list (AddTrial) and to read (datalog: one ended, one
-interrupted, one without samples).
+As in the directory and registry suites (tests/helpers/fuzz.py): each test runs one real datastore
+(`datastore_factory`) in an event loop of its own, in a background thread; hypothesis examples are
+plain synchronous functions that hand their async body to that loop. The datastore is seeded with
+trials to list (AddTrial) and to read (datalog: one ended, one interrupted, one without samples).
 
 Checked, over random and malformed requests and `trial-id` / `user-id` metadata:
 * AddTrial: exactly one non-empty `trial-id` and a user id without NUL are stored and read back
@@ -42,18 +41,14 @@ readers never ended).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import itertools
-import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
 from google.protobuf import any_pb2
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
@@ -63,23 +58,28 @@ from shared.api import trial_datastore_pb2 as ds
 from shared.server import MAX_RECEIVE_MESSAGE_BYTES
 from tests.conftest import DatastoreFactory
 from tests.helpers.datastore import datalog_inputs, datalog_sample, trial_params
-from tests.test_model_registry_fuzz import (
+from tests.helpers.fuzz import (
+    CALL_TIMEOUT_S,
     CLIENT_CORE_ERROR,
+    CORRUPT,
     FUZZ,
     Outcome,
+    RawRequests,
+    ServerHarness,
     assert_client_error,
+    assert_no_server_error,
     assert_ok,
+    assert_version_reply,
     collect,
+    parse_handle,
+    send_bidi,
     send_stream,
     small_texts,
     texts,
+    uint32s,
     unary,
-    unknown_fields,
 )
 
-T = TypeVar("T")
-
-CALL_TIMEOUT_S = 20.0
 # A RetrieveSamples reply of a trial known to hold more samples arrives within this.
 READ_TIMEOUT_S = 10.0
 SERVICES = ("TrialDatastoreSP", "DatalogSP", "LogExporterSP")
@@ -144,31 +144,20 @@ class ListedTrial:
 # ---- one datastore per test, driven from a background event loop ----
 
 
-class Harness:
-    """A running, seeded datastore served from an event loop in a thread of its own."""
+class Harness(ServerHarness):
+    """A running, seeded datastore."""
 
     def __init__(self, factory: DatastoreFactory) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fuzz-datastore", daemon=True)
-        self._thread.start()
-        self._stack = AsyncExitStack()
-        self._ids = itertools.count()
+        super().__init__("fuzz-datastore")
         self.listed: list[ListedTrial] = []
         self.full_samples: dict[str, list[ds.StoredTrialSample]] = {}
-        try:
-            self.datastore = self.run(lambda: self._stack.enter_async_context(factory()), timeout=90)
+        with self.closing_on_error():
+            self.datastore = self.enter(factory, timeout=90)
             self.channel: grpc.aio.Channel = self.datastore.channel
             self.stub: trial_datastore_pb2_grpc.TrialDatastoreSPStub = self.datastore.stub
             self.datalog: datalog_pb2_grpc.DatalogSPStub = self.datastore.datalog
             self.log_exporter: datalog_pb2_grpc.LogExporterSPStub = self.datastore.log_exporter
             self.run(self._seed)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def is_postgresql(self) -> bool:
-        return bool(self.datastore.service.database.is_postgresql)
 
     async def _seed(self) -> None:
         for trial_id, user_id, properties in LISTED:
@@ -201,21 +190,6 @@ class Harness:
         ]
         assert [t.trial_id for t in self.listed] == [t[0] for t in LISTED] + list(READ_TRIALS)
 
-    def start(self, function: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
-        """Start `await function(*args)` in the datastore's loop (gRPC calls must be made there)."""
-
-        async def body() -> T:
-            return await function(*args)
-
-        return asyncio.run_coroutine_threadsafe(body(), self._loop)
-
-    def run(self, function: Callable[..., Awaitable[T]], *args: Any, timeout: float = 60.0) -> T:
-        """`await function(*args)` in the datastore's loop."""
-        return self.start(function, *args).result(timeout)
-
-    def fresh_id(self, prefix: str = "fuzz") -> str:
-        return f"{prefix}-{next(self._ids)}"
-
     def trial_info(self, trial_id: str) -> ds.StoredTrialInfo | None:
         request = ds.RetrieveTrialsRequest(trial_ids=[trial_id])
         outcome = self.run(lambda: unary(self.stub.RetrieveTrials(request, timeout=CALL_TIMEOUT_S)))
@@ -243,23 +217,11 @@ class Harness:
         assert info is not None and info.samples_count == len(READ_TRIALS[READ_ENDED])
         assert self.samples(READ_ENDED) == self.full_samples[READ_ENDED]
 
-    def close(self) -> None:
-        try:
-            self.run(self._stack.aclose, timeout=60)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(30)
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
-
 
 @pytest.fixture
 def fuzz(datastore_factory: DatastoreFactory) -> Iterator[Harness]:
-    harness = Harness(datastore_factory)
-    try:
+    with Harness(datastore_factory) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 # ---- calls ----
@@ -290,40 +252,8 @@ async def read_samples(call: Any, count: int | None) -> Outcome:
             assert reply is not grpc.aio.EOF, f"the stream ended after {len(outcome.replies)} of {count}"
             outcome.replies.append(reply)
     except grpc.aio.AioRpcError as error:
-        outcome.code, outcome.details = error.code(), error.details() or ""
+        outcome.fail(error)
     call.cancel()
-    return outcome
-
-
-async def _read_replies(call: Any, outcome: Outcome) -> None:
-    try:
-        async for reply in call:
-            outcome.replies.append(reply)
-    except grpc.aio.AioRpcError as error:
-        outcome.code, outcome.details = error.code(), error.details() or ""
-    except asyncio.CancelledError:
-        if not call.cancelled():  # this task was cancelled, not the call
-            raise
-        outcome.code = grpc.StatusCode.CANCELLED
-
-
-async def send_bidi(call: Any, messages: Sequence[Any], cancel_after: int | None = None) -> Outcome:
-    """Write `messages` on a bidirectional call (stopping once the server ended it, or cancelling
-    the call after `cancel_after` of them) while collecting its replies, then its status."""
-    outcome = Outcome()
-    reading = asyncio.ensure_future(_read_replies(call, outcome))
-    try:
-        for message in messages[:cancel_after]:
-            if call.done():
-                break
-            await call.write(message)
-        if cancel_after is not None:
-            call.cancel()
-        elif not call.done():
-            await call.done_writing()
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass  # the call is over: its status says why
-    await asyncio.wait_for(reading, CALL_TIMEOUT_S)
     return outcome
 
 
@@ -343,7 +273,6 @@ header_texts = st.one_of(
 header_lists: st.SearchStrategy[list[str]] = st.one_of(
     st.just([]), st.lists(header_texts, min_size=1, max_size=3)
 )
-uint32s = st.one_of(st.sampled_from([0, 1, 2, 3, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
 int32s = st.one_of(
     st.integers(-4, 8), st.sampled_from([-(2**31), 2**31 - 1]), st.integers(-(2**31), 2**31 - 1)
 )
@@ -553,13 +482,6 @@ handles = st.one_of(
 )
 
 
-def reference_handle(handle: str) -> int | None:
-    """The reference's rule: empty = 0, else a position in ASCII decimal digits."""
-    if not handle:
-        return 0
-    return int(handle) if handle.isascii() and handle.isdecimal() else None
-
-
 def expected_listing(
     listed: Sequence[ListedTrial], request: ds.RetrieveTrialsRequest
 ) -> tuple[list[ListedTrial], str] | None:
@@ -567,7 +489,7 @@ def expected_listing(
     order from the handle; requested ids (any if none) whose properties include the requested
     ones; at most `trials_count` (0: all), and no more than the requested ids. The next handle is
     the position of the last one when the count is reached, else the end of the listing."""
-    after = reference_handle(request.trial_handle)
+    after = parse_handle(request.trial_handle)
     if after is None:
         return None
     wanted = set(request.trial_ids)
@@ -1082,9 +1004,7 @@ def test_version_and_status_fuzz(
     outcome = fuzz.run(
         lambda: unary(version(common_pb2.VersionRequest(), metadata=metadata, timeout=CALL_TIMEOUT_S))
     )
-    assert_ok(outcome)
-    for item in outcome.replies[0].versions:
-        assert item.name and item.version
+    assert_version_reply(outcome)
 
 
 # ---- raw bytes, valid protobuf or not ----
@@ -1108,29 +1028,14 @@ RAW_SAMPLES_TRIAL = "list-3"
 # A RetrieveTrials request waiting longer than this (its timeout, in ms) is cut by a short deadline.
 RAW_LONG_WAIT_MS = 1_000
 RAW_SHORT_DEADLINE_S = 0.5
-CORRUPT = [
-    b"\xff",
-    b"\x00",
-    b"\x08",
-    b"\x0f",
-    b"\x0b",
-    b"\x08" + b"\xff" * 10 + b"\x01",
-    b"\x0a\x05ab",
-    b"\x12\x7f",
+DATASTORE_CORRUPT = [
+    *CORRUPT,
     b"\x0a\x01\xff",  # field 1 a string that is not UTF-8 (trial_ids, user_id, names...)
     b"\x22\x01\xff",  # RetrieveTrials: a handle not UTF-8
     b"\x0a\x03\x12\x01\xff",  # AddSample: trial_sample.trial_id not UTF-8
     b"\x12\x05\x0a\x03\x0a\x01\xff",  # RunTrialDatalog: sample.info holding garbage
     b"\x0a\x02\x12\x05",  # a nested message holding a truncated field
 ]
-
-
-def decodes(method: str, raw: bytes) -> bool:
-    try:
-        REQUEST_TYPES[method].FromString(raw)
-    except DecodeError:
-        return False
-    return True
 
 
 def valid_requests(method: str) -> st.SearchStrategy[Message]:
@@ -1165,44 +1070,14 @@ def valid_requests(method: str) -> st.SearchStrategy[Message]:
     }[name]
 
 
-@st.composite
-def decodable_messages(draw: st.DrawFn, method: str) -> bytes:
-    return draw(valid_requests(method)).SerializeToString() + draw(unknown_fields())
-
-
-@st.composite
-def undecodable_messages(draw: st.DrawFn, method: str) -> bytes:
-    corrupt = st.sampled_from([raw for raw in CORRUPT if not decodes(method, raw)])
-    if draw(st.booleans()):
-        return draw(corrupt)
-    encoded = draw(valid_requests(method)).SerializeToString()
-    cut = draw(st.integers(0, len(encoded)))
-    spliced = encoded[:cut] + draw(corrupt)
-    return spliced if not decodes(method, spliced) else draw(corrupt)
-
-
-def raw_messages(method: str) -> st.SearchStrategy[bytes]:
-    return st.one_of(st.binary(max_size=64), decodable_messages(method), undecodable_messages(method))
-
-
-@st.composite
-def raw_calls(draw: st.DrawFn, undecodable: bool = False) -> tuple[str, list[bytes]]:
-    method = draw(st.sampled_from(sorted(REQUEST_TYPES)))
-    if method not in STREAMING:
-        message = undecodable_messages(method) if undecodable else raw_messages(method)
-        return method, [draw(message)]
-    if not undecodable and draw(st.booleans()):
-        return method, draw(st.lists(decodable_messages(method), max_size=4))
-    messages = draw(st.lists(raw_messages(method), max_size=3))
-    messages.insert(draw(st.integers(0, len(messages))), draw(undecodable_messages(method)))
-    # Nothing after the first undecodable message (see test_directory_fuzz.raw_calls).
-    first_bad = next(index for index, raw in enumerate(messages) if not decodes(method, raw))
-    return method, messages[: first_bad + 1]
+RAW = RawRequests(
+    REQUEST_TYPES, frozenset(STREAMING), DATASTORE_CORRUPT, valid_requests, max_unknown_fields=2
+)
 
 
 def waits_long(method: str, messages: list[bytes]) -> bool:
     """A RetrieveTrials request that may rightly wait past the call's deadline."""
-    if method != "TrialDatastoreSP/RetrieveTrials" or not decodes(method, messages[0]):
+    if method != "TrialDatastoreSP/RetrieveTrials" or not RAW.decodes(method, messages[0]):
         return False
     return ds.RetrieveTrialsRequest.FromString(messages[0]).timeout > RAW_LONG_WAIT_MS
 
@@ -1228,9 +1103,7 @@ async def raw_call(channel: grpc.aio.Channel, method: str, messages: list[bytes]
 def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, strict: bool) -> None:
     """Never a server error; an undecodable request ends the call with an error (`strict`:
     INVALID_ARGUMENT)."""
-    good = [decodes(method, raw) for raw in messages]
-    note(f"{method}: decodable={good} -> {outcome.code.name} {outcome.details!r}")
-    event(f"raw {method}: {'undecodable' if False in good else 'decodable'} -> {outcome.code.name}")
+    good = RAW.decodable(method, messages, outcome)
     if (
         outcome.code == grpc.StatusCode.INTERNAL
         and outcome.details == CLIENT_CORE_ERROR
@@ -1239,9 +1112,7 @@ def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, stri
         event("grpcio client: Internal error from Core")
         assert False in good or outcome.code != OK
         return
-    assert outcome.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
-        f"server error {outcome.code.name}: {outcome.details}"
-    )
+    assert_no_server_error(outcome)
     if all(good):
         allowed = CLIENT_ERROR_CODES | {OK}
         if waits_long(method, messages):
@@ -1254,7 +1125,7 @@ def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, stri
 
 
 @settings(FUZZ, max_examples=60)
-@given(call=raw_calls())
+@given(call=RAW.calls())
 def test_raw_bytes_never_break_the_server(fuzz: Harness, call: tuple[str, list[bytes]]) -> None:
     method, messages = call
     outcome = fuzz.run(raw_call, fuzz.channel, method, messages, fuzz.fresh_id("raw"))
@@ -1263,7 +1134,7 @@ def test_raw_bytes_never_break_the_server(fuzz: Harness, call: tuple[str, list[b
 
 
 @settings(FUZZ, max_examples=30)
-@given(call=raw_calls(undecodable=True))
+@given(call=RAW.calls(undecodable=True))
 def test_raw_undecodable_requests_get_a_client_error(fuzz: Harness, call: tuple[str, list[bytes]]) -> None:
     method, messages = call
     outcome = fuzz.run(raw_call, fuzz.channel, method, messages, fuzz.fresh_id("raw"))

@@ -2,8 +2,8 @@
 
 Each test runs one real directory (`directory_factory`, so on both databases, with health checks
 every 0.2 s) in an event loop of its own, in a background thread; hypothesis examples are plain
-synchronous functions that hand their async body to that loop. So there is one directory per test,
-not per example, and nothing depends on pytest-asyncio.
+synchronous functions that hand their async body to that loop (tests/helpers/fuzz.py). So there is
+one directory per test, not per example, and nothing depends on pytest-asyncio.
 
 Checked, over random and malformed requests and `authentication-token` metadata:
 * Register/Deregister: exactly one reply per request, in order, OK or FAILED (FAILED with an
@@ -23,30 +23,44 @@ Checked, over random and malformed requests and `authentication-token` metadata:
 from __future__ import annotations
 
 import asyncio
-import random
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.message import DecodeError, Message
-from hypothesis import HealthCheck, event, example, given, note, settings
+from google.protobuf.message import Message
+from hypothesis import event, example, given, note, settings
 from hypothesis import strategies as st
 
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
-
-T = TypeVar("T")
+from shared.server import MAX_RECEIVE_MESSAGE_BYTES
+from tests.conftest import DirectoryFactory
+from tests.helpers.fuzz import (
+    CALL_TIMEOUT_S,
+    CORRUPT,
+    FUZZ,
+    QUOTING_TEXTS,
+    UNICODE_TEXTS,
+    Outcome,
+    RawRequests,
+    ServerHarness,
+    assert_no_server_error,
+    assert_ok,
+    assert_version_reply,
+    collect,
+    iterate,
+    length_delimited,
+    random_text,
+    sane_chars,
+    unary,
+    unicode_chars,
+)
 
 SERVICE = "cogmentAPI.DirectorySP"
 TOKEN_KEY = "authentication-token"
-CALL_TIMEOUT_S = 20.0
 # A request on an interleaved stream waits this long for its reply (they take milliseconds).
 REPLY_TIMEOUT_S = 5.0
 MAX_SERVICE_ID = 2**63 - 1
-MAX_GRPC_MESSAGE = 4 * 1024 * 1024
 # Health checks every 0.2 s run alongside the fuzzing (and check the fuzzed endpoints).
 HEALTH_FLAGS = ("--health_check_interval", "0.2")
 
@@ -61,45 +75,19 @@ DEREGISTER_STORAGE_FAILURE = "database error"
 # What a client may be told about a request it got wrong. Never INTERNAL or UNKNOWN.
 CLIENT_ERROR_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
 
-FUZZ = settings(
-    max_examples=100,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.large_base_example,
-    ],
-)
-
 
 # ---- one directory per test, driven from a background event loop ----
 
 
-class Harness:
-    """A running directory served from an event loop in a thread of its own."""
+class Harness(ServerHarness):
+    """A running directory."""
 
-    def __init__(self, factory: Callable[..., Any], *flags: str) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fuzz-directory", daemon=True)
-        self._thread.start()
-        self._stack = AsyncExitStack()
-        try:
-            self.directory = self.run(lambda: self._stack.enter_async_context(factory(*flags)), timeout=60)
-        except BaseException:
-            self._stop_loop()
-            raise
+    def __init__(self, factory: DirectoryFactory, *flags: str) -> None:
+        super().__init__("fuzz-directory")
+        with self.closing_on_error():
+            self.directory = self.enter(lambda: factory(*flags))
         self.channel: grpc.aio.Channel = self.directory.channel
         self.stub: directory_pb2_grpc.DirectorySPStub = self.directory.stub
-
-    def run(self, function: Callable[..., Awaitable[T]], *args: Any, timeout: float = 60.0) -> T:
-        """`await function(*args)` in the directory's loop (gRPC calls must be made there)."""
-
-        async def body() -> T:
-            return await function(*args)
-
-        return asyncio.run_coroutine_threadsafe(body(), self._loop).result(timeout)
 
     def check_alive(self) -> None:
         """The server still answers, from its database too."""
@@ -108,26 +96,11 @@ class Harness:
         assert set(reply.statuses) == set(KNOWN_STATUSES)
         assert reply.statuses["nb_entries"].isdecimal()
 
-    def close(self) -> None:
-        try:
-            self.run(self._stack.aclose, timeout=60)
-        finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-        self._loop.close()
-
 
 @pytest.fixture
-def fuzz(directory_factory: Callable[..., Any]) -> Iterator[Harness]:
-    harness = Harness(directory_factory, *HEALTH_FLAGS)
-    try:
+def fuzz(directory_factory: DirectoryFactory) -> Iterator[Harness]:
+    with Harness(directory_factory, *HEALTH_FLAGS) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 # ---- calls ----
@@ -139,41 +112,10 @@ def metadata(token: str | None, extra: Sequence[tuple[str, str]] = ()) -> tuple[
     return tuple(pairs) or None
 
 
-@dataclass
-class Outcome:
-    """What a call returned: the replies, then its final status."""
-
-    replies: list[Any] = field(default_factory=list)
-    code: grpc.StatusCode = grpc.StatusCode.OK
-    details: str = ""
-
-
-async def collect(call: Any) -> Outcome:
-    outcome = Outcome()
-    try:
-        async for reply in call:
-            outcome.replies.append(reply)
-    except grpc.aio.AioRpcError as error:
-        outcome.code, outcome.details = error.code(), error.details() or ""
-    return outcome
-
-
-async def unary(call: Any) -> Outcome:
-    try:
-        return Outcome([await call])
-    except grpc.aio.AioRpcError as error:
-        return Outcome([], error.code(), error.details() or "")
-
-
-async def _iterate(items: Sequence[T]) -> AsyncIterator[T]:
-    for item in items:
-        yield item
-
-
 async def bidi(method: Any, requests: Sequence[Any], md: Any, interleave: bool) -> Outcome:
     """All requests then half-close, or (interleave) each request waits for its reply."""
     if not interleave:
-        return await collect(method(_iterate(requests), metadata=md, timeout=CALL_TIMEOUT_S))
+        return await collect(method(iterate(requests), metadata=md, timeout=CALL_TIMEOUT_S))
     call = method(metadata=md, timeout=CALL_TIMEOUT_S)
     outcome = Outcome()
     try:
@@ -191,14 +133,14 @@ async def bidi(method: Any, requests: Sequence[Any], md: Any, interleave: bool) 
         outcome.code = await call.code()
         outcome.details = await call.details() or ""
     except grpc.aio.AioRpcError as error:
-        outcome.code, outcome.details = error.code(), error.details() or ""
+        outcome.fail(error)
     return outcome
 
 
-def assert_no_server_error(outcome: Outcome) -> None:
-    assert outcome.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
-        f"server error {outcome.code.name}: {outcome.details}"
-    )
+def assert_answered(outcome: Outcome, requests: Sequence[Any]) -> None:
+    """A request stream ended OK, after one reply per request."""
+    assert_ok(outcome)
+    assert len(outcome.replies) == len(requests), "not one reply per request"
 
 
 # ---- strategies ----
@@ -206,19 +148,13 @@ def assert_no_server_error(outcome: Outcome) -> None:
 # grpc metadata values must be printable ASCII.
 printable_ascii = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
 tokens = st.one_of(st.none(), st.just(""), st.text(printable_ascii, max_size=40))
-unicode_chars = st.characters(codec="utf-8")  # every code point except lone surrogates
 SPECIAL_TEXTS = [
     "",
     " ",
     "\x00",
     "a\x00b",
     "\x00" * 3,
-    "*",
-    "%",
-    "_",
-    "\\",
-    "'",
-    '"',
+    *QUOTING_TEXTS,
     "localhost",
     "127.0.0.1",
     "::1",
@@ -226,30 +162,10 @@ SPECIAL_TEXTS = [
     "0.0.0.0",
     "unix:/tmp/x",
     "dns:///x:1",
-    "é",
-    "日本語",
-    "🙂",
-    "\u202e",
-    "\ufeff",
-    "\U0010ffff",
+    *UNICODE_TEXTS,
     "__id",
     "__authentication-token",
 ]
-# Code points of every UTF-8 length, for incompressible huge strings.
-_RANDOM_POOL = "az09-./é∑日本🙂\U0001f680\x7f"
-_ASCII_POOL = "abcdefghijklmnopqrstuvwxyz0123456789"
-
-
-def random_text(seed: int, size_bytes: int, ascii_only: bool) -> str:
-    """About `size_bytes` of UTF-8 that barely compresses."""
-    rng = random.Random(seed)
-    pool = _ASCII_POOL if ascii_only else _RANDOM_POOL
-    chars: list[str] = []
-    used = 0
-    while used < size_bytes:
-        chars.append(rng.choice(pool))
-        used += len(chars[-1].encode())
-    return "".join(chars)
 
 
 @st.composite
@@ -301,7 +217,6 @@ def details(draw: st.DrawFn) -> directory_pb2.ServiceDetails:
 
 
 # Sane values, for the fields a request does not fuzz.
-sane_chars = st.characters(codec="utf-8", exclude_characters="\x00")
 sane_texts = st.text(sane_chars, max_size=8)
 sane_hosts = st.one_of(
     st.text(sane_chars, min_size=1, max_size=20), st.sampled_from(["localhost", "127.0.0.1"])
@@ -424,8 +339,7 @@ def register(
     interleave: bool = False,
 ) -> list[directory_pb2.RegisterReply]:
     outcome = fuzz.run(lambda: bidi(fuzz.stub.Register, requests, metadata(token), interleave))
-    assert outcome.code == grpc.StatusCode.OK, f"Register ended {outcome.code.name}: {outcome.details}"
-    assert len(outcome.replies) == len(requests), "not one reply per request"
+    assert_answered(outcome, requests)
     for request, reply in zip(requests, outcome.replies, strict=True):
         check_register_reply(request, reply)
     return outcome.replies
@@ -499,7 +413,7 @@ def corner_requests() -> list[directory_pb2.RegisterRequest]:
     valid = [
         request(port=65535, permanent=True),
         request(host="h" * 100_000),
-        request(host=random_text(1, 100_000, ascii_only=False)),
+        request(host=random_text(1, 100_000)),
         request(host="日本語🙂\u202e", properties={"": "", "🙂": "\ufeff"}),
         request(protocol=directory_pb2.ServiceEndpoint.GRPC, host="127.0.0.1", port=1),
         request(protocol=directory_pb2.ServiceEndpoint.GRPC_SSL, host="::1", service_type=100),
@@ -511,7 +425,7 @@ def corner_requests() -> list[directory_pb2.RegisterRequest]:
     return mixed
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(
     requests=st.lists(st.one_of(register_requests(), valid_registrations()), max_size=5),
     token=tokens,
@@ -588,7 +502,7 @@ NEAR_MISSES: dict[str, Callable[[str], str]] = {
 }
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(
     registrations=st.lists(valid_registrations(), max_size=3),
     operations=st.lists(
@@ -640,8 +554,7 @@ def test_deregister_fuzz(
     else:
         stream_token = other_token(token)
     outcome = fuzz.run(lambda: bidi(fuzz.stub.Deregister, requests, metadata(stream_token), interleave))
-    assert outcome.code == grpc.StatusCode.OK, f"Deregister ended {outcome.code.name}: {outcome.details}"
-    assert len(outcome.replies) == len(requests), "not one reply per request"
+    assert_answered(outcome, requests)
     for request, reply, ok in zip(requests, outcome.replies, expected, strict=True):
         note(f"{request} -> {reply}")
         if ok:
@@ -690,8 +603,7 @@ def test_concurrent_register_streams(
 
     entries: dict[tuple[str, int, tuple[tuple[str, str], ...]], set[int]] = {}
     for (requests, token), outcome in zip(streams, fuzz.run(all_at_once), strict=True):
-        assert outcome.code == grpc.StatusCode.OK, f"Register ended {outcome.code.name}: {outcome.details}"
-        assert len(outcome.replies) == len(requests), "not one reply per request"
+        assert_answered(outcome, requests)
         for request, reply in zip(requests, outcome.replies, strict=True):
             check_register_reply(request, reply)
             if reply.status == directory_pb2.RegisterReply.OK and request.permanent:
@@ -729,7 +641,7 @@ def inquiries(
     )
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(probe=valid_registrations(), token=tokens, data=st.data())
 def test_inquire_fuzz(
     fuzz: Harness, probe: directory_pb2.RegisterRequest, token: str | None, data: st.DataObject
@@ -750,7 +662,7 @@ def test_inquire_fuzz(
     if which is None:
         assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, "an empty inquiry must be refused"
     elif which == "service_id" or request.details.type == 0 or request.details.type in VALID_TYPES:
-        assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
+        assert_ok(outcome)
     else:  # an out-of-range type: refused, or nothing can match it
         assert not outcome.replies
     found = {r.data.service_id: r.data for r in outcome.replies}
@@ -797,7 +709,7 @@ def test_status_fuzz(
     outcome = fuzz.run(
         lambda: unary(fuzz.stub.Status(request, metadata=metadata(token, extra), timeout=CALL_TIMEOUT_S))
     )
-    assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
+    assert_ok(outcome)
     statuses = outcome.replies[0].statuses
     assert set(statuses) == expected_statuses(names)
     if "overall_load" in statuses:
@@ -818,9 +730,7 @@ def test_version_fuzz(fuzz: Harness, token: str | None, extra: list[tuple[str, s
             )
         )
     )
-    assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
-    for version in outcome.replies[0].versions:
-        assert version.name and version.version
+    assert_version_reply(outcome)
 
 
 # ---- raw bytes, valid protobuf or not ----
@@ -833,54 +743,14 @@ REQUEST_TYPES: dict[str, type[Message]] = {
     "Status": common_pb2.StatusRequest,
 }
 STREAMING_REQUESTS = {"Register", "Deregister"}
-# Byte strings that do not parse as (at least one of) the request types: bad tags and wire types,
-# truncations, overruns, invalid UTF-8 in a string field.
-CORRUPT = [
-    b"\xff",
-    b"\x00",
-    b"\x08",
-    b"\x0f",
-    b"\x0b",
-    b"\x08" + b"\xff" * 10 + b"\x01",
-    b"\x0a\x05ab",
-    b"\x12\x7f",
+DIRECTORY_CORRUPT = [
+    *CORRUPT,
     b"\x0a\x01\xff",  # Status: names[0] not UTF-8
     b"\x12\x01\xff",  # Deregister: secret not UTF-8
     b"\x0a\x03\x12\x01\xff",  # Register: endpoint.host not UTF-8
     b"\x12\x05\x12\x03\x0a\x01\xff",  # Inquire: a property name not UTF-8
     b"\x0a\x02\x12\x05",  # Register: endpoint holds a truncated string
 ]
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-@st.composite
-def unknown_fields(draw: st.DrawFn) -> bytes:
-    """Well-formed fields with numbers no request uses: a parser must skip them."""
-    out = b""
-    for _ in range(draw(st.integers(0, 3))):
-        number = draw(st.integers(16, 2**29 - 1))
-        if draw(st.booleans()):
-            out += _varint(number << 3) + _varint(draw(st.integers(0, 2**64 - 1)))
-        else:
-            payload = draw(st.binary(max_size=30))
-            out += _varint(number << 3 | 2) + _varint(len(payload)) + payload
-    return out
-
-
-def decodes(method: str, raw: bytes) -> bool:
-    try:
-        REQUEST_TYPES[method].FromString(raw)
-    except DecodeError:
-        return False
-    return True
 
 
 def valid_requests(method: str) -> st.SearchStrategy[Message]:
@@ -896,47 +766,9 @@ def valid_requests(method: str) -> st.SearchStrategy[Message]:
     }[method]
 
 
-@st.composite
-def decodable_messages(draw: st.DrawFn, method: str) -> bytes:
-    """A valid request, plus fields of numbers it does not have (which a parser skips)."""
-    return draw(valid_requests(method)).SerializeToString() + draw(unknown_fields())
-
-
-@st.composite
-def undecodable_messages(draw: st.DrawFn, method: str) -> bytes:
-    """Known corruptions, or a valid request cut short and followed by one."""
-    # Some are corrupt for one request type only (a string field is a varint or unknown in others).
-    corrupt = st.sampled_from([raw for raw in CORRUPT if not decodes(method, raw)])
-    if draw(st.booleans()):
-        return draw(corrupt)
-    encoded = draw(valid_requests(method)).SerializeToString()
-    cut = draw(st.integers(0, len(encoded)))
-    spliced = encoded[:cut] + draw(corrupt)
-    return spliced if not decodes(method, spliced) else draw(corrupt)
-
-
-def raw_messages(method: str) -> st.SearchStrategy[bytes]:
-    """Any bytes: random, decodable or not."""
-    return st.one_of(st.binary(max_size=64), decodable_messages(method), undecodable_messages(method))
-
-
-@st.composite
-def raw_calls(draw: st.DrawFn, undecodable: bool = False) -> tuple[str, list[bytes]]:
-    """A method and what to send it: one message, or a stream of them (possibly empty).
-    `undecodable`: at least one message does not parse."""
-    method = draw(st.sampled_from(sorted(REQUEST_TYPES)))
-    if method not in STREAMING_REQUESTS:
-        message = undecodable_messages(method) if undecodable else raw_messages(method)
-        return method, [draw(message)]
-    if not undecodable and draw(st.booleans()):
-        return method, draw(st.lists(decodable_messages(method), max_size=4))
-    messages = draw(st.lists(raw_messages(method), max_size=3))
-    messages.insert(draw(st.integers(0, len(messages))), draw(undecodable_messages(method)))
-    # Nothing after the first undecodable message: the server may end the call there, and a grpcio
-    # client still writing then reports its own INTERNAL "Internal error from Core" instead of the
-    # server's status.
-    first_bad = next(index for index, raw in enumerate(messages) if not decodes(method, raw))
-    return method, messages[: first_bad + 1]
+RAW = RawRequests(
+    REQUEST_TYPES, frozenset(STREAMING_REQUESTS), DIRECTORY_CORRUPT, valid_requests, max_unknown_fields=3
+)
 
 
 async def raw_call(
@@ -946,7 +778,7 @@ async def raw_call(
     md, timeout = metadata(token), CALL_TIMEOUT_S
     if method in STREAMING_REQUESTS:
         return await collect(
-            channel.stream_stream(path, **codec)(_iterate(messages), metadata=md, timeout=timeout)
+            channel.stream_stream(path, **codec)(iterate(messages), metadata=md, timeout=timeout)
         )
     if method == "Inquire":
         return await collect(channel.unary_stream(path, **codec)(messages[0], metadata=md, timeout=timeout))
@@ -964,10 +796,8 @@ def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, stri
         "Status": common_pb2.StatusReply,
     }[method]
     replies = [reply_type.FromString(raw) for raw in outcome.replies]
-    good = [decodes(method, raw) for raw in messages]
+    good = RAW.decodable(method, messages, outcome)
     first_bad = good.index(False) if False in good else len(good)
-    note(f"{method}: decodable={good} -> {outcome.code.name} {outcome.details!r}, {len(replies)} replies")
-    event(f"raw {method}: {'undecodable' if False in good else 'decodable'} -> {outcome.code.name}")
 
     def failed_as_client_error() -> None:
         assert outcome.code != grpc.StatusCode.OK, "an undecodable request was answered OK"
@@ -979,8 +809,7 @@ def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, stri
         assert all(reply.status in ok_statuses for reply in replies)
         if first_bad == len(messages) or outcome.code == grpc.StatusCode.OK:
             # All decodable, or the server answers a FAILED reply per undecodable request.
-            assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
-            assert len(replies) == len(messages), "not one reply per request"
+            assert_answered(outcome, messages)
             for raw, ok, reply in zip(messages, good, replies, strict=True):
                 if not ok:
                     assert reply.status == reply_type.FAILED and reply.error_msg  # type: ignore[attr-defined]
@@ -998,11 +827,11 @@ def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, stri
     elif method == "Inquire":  # random bytes may decode to an empty inquiry
         assert outcome.code == grpc.StatusCode.OK or outcome.code in CLIENT_ERROR_CODES, outcome.code
     else:
-        assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
+        assert_ok(outcome)
 
 
 @settings(FUZZ, max_examples=150)
-@given(call=raw_calls(), token=tokens)
+@given(call=RAW.calls(), token=tokens)
 def test_raw_bytes_never_break_the_server(
     fuzz: Harness, call: tuple[str, list[bytes]], token: str | None
 ) -> None:
@@ -1015,7 +844,7 @@ def test_raw_bytes_never_break_the_server(
 
 
 @settings(FUZZ, max_examples=50)
-@given(call=raw_calls(undecodable=True))
+@given(call=RAW.calls(undecodable=True))
 def test_raw_undecodable_requests_get_a_client_error(fuzz: Harness, call: tuple[str, list[bytes]]) -> None:
     """grpcio 1.85 (aio) deserializes with the handler's `request_deserializer`: left alone, unary
     requests would end with UNKNOWN "Unexpected <class DecodeError>" before any application code
@@ -1028,9 +857,9 @@ def test_raw_undecodable_requests_get_a_client_error(fuzz: Harness, call: tuple[
 
 
 def test_oversized_messages_are_refused(fuzz: Harness) -> None:
-    """Beyond gRPC's 4 MiB receive limit (e.g. a huge host): RESOURCE_EXHAUSTED, and still serving."""
-    huge = directory_pb2.ServiceEndpoint(host="h" * MAX_GRPC_MESSAGE).SerializeToString()
-    message = b"\x0a" + _varint(len(huge)) + huge
+    """Beyond the server's receive limit (e.g. a huge host): RESOURCE_EXHAUSTED, and still serving."""
+    endpoint = directory_pb2.ServiceEndpoint(host="h" * MAX_RECEIVE_MESSAGE_BYTES)
+    message = length_delimited(1, endpoint.SerializeToString())
     for method in sorted(REQUEST_TYPES):
         outcome = fuzz.run(raw_call, fuzz.channel, method, [message], None)
         assert outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} {outcome.code.name}"

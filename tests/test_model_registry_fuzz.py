@@ -1,9 +1,9 @@
 """Property-based fuzzing of every ModelRegistrySP RPC, over real gRPC, on SQLite with local blobs
 and on PostgreSQL with SeaweedFS (S3).
 
-As in test_directory_fuzz.py: each test runs one real registry (`registry_factory`) in an event
-loop of its own, in a background thread; hypothesis examples are plain synchronous functions that
-hand their async body to that loop.
+Each test runs one real registry (`registry_factory`) in an event loop of its own, in a background
+thread; hypothesis examples are plain synchronous functions that hand their async body to that
+loop (tests/helpers/fuzz.py, shared with the directory and datastore suites).
 
 Checked, over random and malformed requests:
 * CreateOrUpdateModel / DeleteModel / RetrieveModels: exact outcomes (OK, INVALID_ARGUMENT,
@@ -29,53 +29,54 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import itertools
 import random
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.message import DecodeError, Message
-from hypothesis import HealthCheck, event, given, note, settings
+from google.protobuf.message import Message
+from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
 from shared.api import common_pb2, model_registry_pb2_grpc
 from shared.api import model_registry_pb2 as mr
+from shared.server import MAX_RECEIVE_MESSAGE_BYTES
+from tests.helpers.fuzz import (
+    CALL_TIMEOUT_S,
+    CORRUPT,
+    FUZZ,
+    Outcome,
+    RawRequests,
+    ServerHarness,
+    assert_client_error,
+    assert_no_server_error,
+    assert_ok,
+    assert_version_reply,
+    collect,
+    iterate,
+    length_delimited,
+    parse_handle,
+    send_stream,
+    small_texts,
+    texts,
+    uint32s,
+    unary,
+)
 from tests.test_model_registry import RegistryFactory, registry_factory  # noqa: F401 (a fixture)
 
-T = TypeVar("T")
-
 SERVICE = "cogmentAPI.ModelRegistrySP"
-CALL_TIMEOUT_S = 20.0
 # A VersionUpdate stream with something to send sends it at once; one without waits this long.
 FIRST_UPDATE_TIMEOUT_S = 0.5
+# gRPC's default message limit: uploads send chunks close to it.
 MAX_GRPC_MESSAGE = 4 * 1024 * 1024
 # What a client may be told about a request it got wrong. Never INTERNAL or UNKNOWN.
 CLIENT_ERROR_CODES = frozenset(
     {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE}
 )
 SEEDED_MODEL = "fuzz-seeded-model"
-# What a grpcio client reports, in place of the server's status, when the server ends a
-# client-streaming call (refusing an upload at its header) while a large message is still being
-# written. Never sent by the server, whose INTERNAL details are "internal error (logged...)".
-CLIENT_CORE_ERROR = "Internal error from Core"
 SEEDED_DATA = [b"first", b"", b"third version" * 100, bytes(range(256)) * 50]
-
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.large_base_example,
-    ],
-)
 
 
 def digest(data: bytes) -> str:
@@ -85,28 +86,20 @@ def digest(data: bytes) -> str:
 # ---- one registry per test, driven from a background event loop ----
 
 
-class Harness:
-    """A running registry served from an event loop in a thread of its own, with a seeded model."""
+class Harness(ServerHarness):
+    """A running registry, with a seeded model."""
 
     def __init__(self, factory: RegistryFactory) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fuzz-registry", daemon=True)
-        self._thread.start()
-        self._stack = AsyncExitStack()
-        self._ids = itertools.count()
-        try:
-            self.registry = self.run(lambda: self._stack.enter_async_context(factory()), timeout=90)
+        super().__init__("fuzz-registry")
+        with self.closing_on_error():
+            self.registry = self.enter(factory, timeout=90)
             self.stub: model_registry_pb2_grpc.ModelRegistrySPStub = self.registry.stub
             assert self.registry.service.port is not None
             self.port: int = self.registry.service.port
-            self.channel: grpc.aio.Channel = self.run(self._open_channel)
+            self.channel: grpc.aio.Channel = self.enter(
+                lambda: grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+            )
             self.run(self._seed)
-        except BaseException:
-            self.close()
-            raise
-
-    async def _open_channel(self) -> grpc.aio.Channel:
-        return await self._stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{self.port}"))
 
     async def _seed(self) -> None:
         await self.stub.CreateOrUpdateModel(
@@ -116,19 +109,8 @@ class Harness:
         )
         for number, data in enumerate(SEEDED_DATA, 1):
             messages = version_stream(SEEDED_MODEL, [data], data_size=len(data), data_hash=digest(data))
-            reply = await self.stub.CreateVersion(_iterate(messages), timeout=CALL_TIMEOUT_S)
+            reply = await self.stub.CreateVersion(iterate(messages), timeout=CALL_TIMEOUT_S)
             assert reply.version_info.version_number == number
-
-    def run(self, function: Callable[..., Awaitable[T]], *args: Any, timeout: float = 60.0) -> T:
-        """`await function(*args)` in the registry's loop (gRPC calls must be made there)."""
-
-        async def body() -> T:
-            return await function(*args)
-
-        return asyncio.run_coroutine_threadsafe(body(), self._loop).result(timeout)
-
-    def fresh_model_id(self, prefix: str = "fuzz") -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     def version_numbers(self, model_id: str) -> list[int] | None:
         """The model's visible versions (None: no such model)."""
@@ -141,7 +123,7 @@ class Harness:
         )
         if outcome.code == grpc.StatusCode.NOT_FOUND:
             return None
-        assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
+        assert_ok(outcome)
         return [info.version_number for info in outcome.replies[0].version_infos]
 
     def check_alive(self) -> None:
@@ -153,173 +135,49 @@ class Harness:
         assert self.version_numbers(SEEDED_MODEL) == list(range(1, len(SEEDED_DATA) + 1))
         request = mr.RetrieveVersionDataRequest(model_id=SEEDED_MODEL, version_number=-1)
         outcome = self.run(lambda: collect(self.stub.RetrieveVersionData(request, timeout=CALL_TIMEOUT_S)))
-        assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
+        assert_ok(outcome)
         assert b"".join(reply.data_chunk for reply in outcome.replies) == SEEDED_DATA[-1]
-
-    def close(self) -> None:
-        try:
-            self.run(self._stack.aclose, timeout=60)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(30)
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
 
 
 @pytest.fixture
 def fuzz(registry_factory: RegistryFactory) -> Iterator[Harness]:  # noqa: F811
-    harness = Harness(registry_factory)
-    try:
+    with Harness(registry_factory) as harness:
         yield harness
-    finally:
-        harness.close()
 
 
 # ---- calls ----
 
 
-@dataclass
-class Outcome:
-    """What a call returned: the replies, then its final status."""
-
-    replies: list[Any] = field(default_factory=list)
-    code: grpc.StatusCode = grpc.StatusCode.OK
-    details: str = ""
-
-
-async def collect(call: Any) -> Outcome:
-    outcome = Outcome()
-    try:
-        async for reply in call:
-            outcome.replies.append(reply)
-    except grpc.aio.AioRpcError as error:
-        outcome.code, outcome.details = error.code(), error.details() or ""
-    return outcome
-
-
-async def unary(call: Any) -> Outcome:
-    try:
-        return Outcome([await call])
-    except grpc.aio.AioRpcError as error:
-        return Outcome([], error.code(), error.details() or "")
-
-
 async def first_of_stream(call: Any, timeout_s: float = FIRST_UPDATE_TIMEOUT_S) -> tuple[Outcome, bool]:
     """The first reply of an endless stream, or its error; then cancel it. True: timed out."""
+    outcome = Outcome()
     try:
         reply = await asyncio.wait_for(call.read(), timeout_s)
     except asyncio.TimeoutError:
         call.cancel()
-        return Outcome(), True
+        return outcome, True
     except grpc.aio.AioRpcError as error:
-        return Outcome([], error.code(), error.details() or ""), False
+        outcome.fail(error)
+        return outcome, False
     if reply is grpc.aio.EOF:
-        code = await call.code()
-        return Outcome([], code, await call.details() or ""), False
+        outcome.code, outcome.details = await call.code(), await call.details() or ""
+        return outcome, False
     call.cancel()
-    return Outcome([reply]), False
-
-
-async def send_stream(call: Any, messages: Sequence[Any]) -> Outcome:
-    """Write `messages` one at a time on a client-streaming call, stopping when the server has
-    already ended it (refusing the header, say), then its status. (Handing grpcio an iterator
-    instead, a server ending the call early can leave the client with its own INTERNAL "Internal
-    error from Core" in place of the server's status.)"""
-    try:
-        for message in messages:
-            if call.done():
-                break
-            await call.write(message)
-        if not call.done():
-            await call.done_writing()
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass  # the call is over: its status says why
-    return await unary(call)
+    outcome.replies.append(reply)
+    return outcome, False
 
 
 def create_version(fuzz: Harness, messages: Sequence[mr.CreateVersionRequestChunk]) -> Outcome:
     return fuzz.run(lambda: send_stream(fuzz.stub.CreateVersion(timeout=CALL_TIMEOUT_S), messages))
 
 
-async def _iterate(items: Sequence[T]) -> AsyncIterator[T]:
-    for item in items:
-        yield item
-
-
-def assert_client_error(outcome: Outcome, *allowed: grpc.StatusCode) -> None:
-    if outcome.code == grpc.StatusCode.INTERNAL and outcome.details == CLIENT_CORE_ERROR:
-        # Not the server's status (its INTERNAL says "internal error (logged on the server)").
-        event("grpcio client: Internal error from Core")
-        return
-    assert outcome.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
-        f"server error {outcome.code.name}: {outcome.details}"
-    )
-    codes = allowed or tuple(CLIENT_ERROR_CODES)
-    assert outcome.code in codes, (
-        f"expected {[c.name for c in codes]}, got {outcome.code.name}: {outcome.details}"
-    )
-
-
-def assert_ok(outcome: Outcome) -> None:
-    assert outcome.code == grpc.StatusCode.OK, f"{outcome.code.name}: {outcome.details}"
-
-
 # ---- strategies ----
 
-unicode_chars = st.characters(codec="utf-8")  # every code point except lone surrogates
-sane_chars = st.characters(codec="utf-8", exclude_characters="\x00")
-SPECIAL_TEXTS = [
-    "",
-    " ",
-    "\x00",
-    "a\x00b",
-    "*",
-    "%",
-    "_",
-    "\\",
-    "'",
-    '"',
-    "../../etc/passwd",
-    "/",
-    ".",
-    "..",
-    ".incomplete",
-    "é",
-    "日本語",
-    "🙂",
-    "\u202e",
-    "\ufeff",
-    "\U0010ffff",
-]
-_RANDOM_POOL = "az09-./é∑日本🙂\U0001f680\x7f"
-
-
-def random_text(seed: int, size_bytes: int) -> str:
-    rng = random.Random(seed)
-    chars: list[str] = []
-    used = 0
-    while used < size_bytes:
-        chars.append(rng.choice(_RANDOM_POOL))
-        used += len(chars[-1].encode())
-    return "".join(chars)
-
-
-@st.composite
-def huge_texts(draw: st.DrawFn) -> str:
-    size = draw(st.integers(1_000, 40_000))
-    if draw(st.booleans()):
-        return draw(unicode_chars) * size
-    return random_text(draw(st.integers(0, 2**32)), size)
-
-
-small_texts = st.one_of(st.text(unicode_chars, max_size=12), st.sampled_from(SPECIAL_TEXTS))
-texts = st.one_of(small_texts, small_texts, small_texts, huge_texts())
 model_ids = texts
 user_datas = st.one_of(
     st.dictionaries(small_texts, small_texts, max_size=4),
     st.dictionaries(texts, texts, max_size=2),
 )
-uint32s = st.one_of(st.sampled_from([0, 1, 2, 3, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
 int32s = st.one_of(
     st.integers(-6, 6), st.sampled_from([-(2**31), 2**31 - 1]), st.integers(-(2**31), 2**31 - 1)
 )
@@ -361,19 +219,6 @@ def valid_model_id(model_id: str) -> bool:
 
 def valid_user_data(user_data: dict[str, str]) -> bool:
     return not any("\x00" in text for pair in user_data.items() for text in pair)
-
-
-def parse_handle(handle: str) -> int | None:
-    """The reference's rule: empty = 0, else a non-negative number in ASCII decimal digits (as
-    Go's strconv parses it: other scripts' digits are refused)."""
-    if not handle:
-        return 0
-    if not (handle.isascii() and handle.isdecimal()):
-        return None
-    try:
-        return int(handle)
-    except ValueError:  # beyond int()'s digit limit: still a valid handle
-        return 10**100
 
 
 # ---- models ----
@@ -547,7 +392,7 @@ def uploads(draw: st.DrawFn, fuzz: Harness) -> Upload:
         target = draw(model_ids.filter(lambda text: text != SEEDED_MODEL))
         unknown = True  # created below only if valid
     else:
-        target = fuzz.fresh_model_id(target_kind)
+        target = fuzz.fresh_id(target_kind)
         unknown = target_kind == "unknown"
     size_kind = draw(st.sampled_from(["exact", "exact", "exact", "+1", "-1", "any"]))
     data_size = {
@@ -651,7 +496,7 @@ def test_create_version_fuzz(fuzz: Harness, data: st.DataObject, prior_versions:
         assert_ok(read)
         assert b"".join(reply.data_chunk for reply in read.replies) == upload.data
     else:
-        assert_client_error(outcome)
+        assert_client_error(outcome, *CLIENT_ERROR_CODES)
         if valid_model_id(upload.target):
             assert fuzz.version_numbers(upload.target) == before, "a rejected upload left a version"
         if before is not None:  # and the next valid upload takes the next number: no gap
@@ -764,9 +609,7 @@ def test_version_and_status_fuzz(fuzz: Harness, names: list[str]) -> None:
     if "*" not in names:
         assert set(status.replies[0].statuses) <= set(names)
     version = fuzz.run(lambda: unary(fuzz.stub.Version(common_pb2.VersionRequest(), timeout=CALL_TIMEOUT_S)))
-    assert_ok(version)
-    for item in version.replies[0].versions:
-        assert item.name and item.version
+    assert_version_reply(version)
 
 
 # ---- raw bytes, valid protobuf or not ----
@@ -784,51 +627,14 @@ REQUEST_TYPES: dict[str, type[Message]] = {
 }
 CLIENT_STREAMING = {"CreateVersion"}
 SERVER_STREAMING = {"RetrieveVersionData", "VersionUpdate"}
-CORRUPT = [
-    b"\xff",
-    b"\x00",
-    b"\x08",
-    b"\x0f",
-    b"\x0b",
-    b"\x08" + b"\xff" * 10 + b"\x01",
-    b"\x0a\x05ab",
-    b"\x12\x7f",
+REGISTRY_CORRUPT = [
+    *CORRUPT,
     b"\x0a\x01\xff",  # field 1 a string that is not UTF-8 (model_id...)
     b"\x0a\x03\x0a\x01\xff",  # CreateOrUpdateModel: model_info.model_id not UTF-8
     b"\x0a\x05\x0a\x03\x0a\x01\xff",  # CreateVersion: header.version_info.model_id not UTF-8
     b"\x22\x01\xff",  # a handle not UTF-8
     b"\x0a\x02\x12\x05",  # a nested message holding a truncated field
 ]
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-@st.composite
-def unknown_fields(draw: st.DrawFn) -> bytes:
-    out = b""
-    for _ in range(draw(st.integers(0, 2))):
-        number = draw(st.integers(16, 2**29 - 1))
-        if draw(st.booleans()):
-            out += _varint(number << 3) + _varint(draw(st.integers(0, 2**64 - 1)))
-        else:
-            payload = draw(st.binary(max_size=30))
-            out += _varint(number << 3 | 2) + _varint(len(payload)) + payload
-    return out
-
-
-def decodes(method: str, raw: bytes) -> bool:
-    try:
-        REQUEST_TYPES[method].FromString(raw)
-    except DecodeError:
-        return False
-    return True
 
 
 def valid_requests(method: str) -> st.SearchStrategy[Message]:
@@ -871,39 +677,9 @@ def valid_requests(method: str) -> st.SearchStrategy[Message]:
     }[method]
 
 
-@st.composite
-def decodable_messages(draw: st.DrawFn, method: str) -> bytes:
-    return draw(valid_requests(method)).SerializeToString() + draw(unknown_fields())
-
-
-@st.composite
-def undecodable_messages(draw: st.DrawFn, method: str) -> bytes:
-    corrupt = st.sampled_from([raw for raw in CORRUPT if not decodes(method, raw)])
-    if draw(st.booleans()):
-        return draw(corrupt)
-    encoded = draw(valid_requests(method)).SerializeToString()
-    cut = draw(st.integers(0, len(encoded)))
-    spliced = encoded[:cut] + draw(corrupt)
-    return spliced if not decodes(method, spliced) else draw(corrupt)
-
-
-def raw_messages(method: str) -> st.SearchStrategy[bytes]:
-    return st.one_of(st.binary(max_size=64), decodable_messages(method), undecodable_messages(method))
-
-
-@st.composite
-def raw_calls(draw: st.DrawFn, undecodable: bool = False) -> tuple[str, list[bytes]]:
-    method = draw(st.sampled_from(sorted(REQUEST_TYPES)))
-    if method not in CLIENT_STREAMING:
-        message = undecodable_messages(method) if undecodable else raw_messages(method)
-        return method, [draw(message)]
-    if not undecodable and draw(st.booleans()):
-        return method, draw(st.lists(decodable_messages(method), max_size=4))
-    messages = draw(st.lists(raw_messages(method), max_size=3))
-    messages.insert(draw(st.integers(0, len(messages))), draw(undecodable_messages(method)))
-    # Nothing after the first undecodable message (see test_directory_fuzz.raw_calls).
-    first_bad = next(index for index, raw in enumerate(messages) if not decodes(method, raw))
-    return method, messages[: first_bad + 1]
+RAW = RawRequests(
+    REQUEST_TYPES, frozenset(CLIENT_STREAMING), REGISTRY_CORRUPT, valid_requests, max_unknown_fields=2
+)
 
 
 async def raw_call(
@@ -927,12 +703,8 @@ async def raw_call(
 def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, strict: bool) -> None:
     """Never a server error; an undecodable request ends the call with an error (`strict`:
     INVALID_ARGUMENT, or the client error of a request before it on a CreateVersion stream)."""
-    good = [decodes(method, raw) for raw in messages]
-    note(f"{method}: decodable={good} -> {outcome.code.name} {outcome.details!r}")
-    event(f"raw {method}: {'undecodable' if False in good else 'decodable'} -> {outcome.code.name}")
-    assert outcome.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
-        f"server error {outcome.code.name}: {outcome.details}"
-    )
+    good = RAW.decodable(method, messages, outcome)
+    assert_no_server_error(outcome)
     if all(good):
         if outcome.code != grpc.StatusCode.OK:
             assert outcome.code in CLIENT_ERROR_CODES, f"{outcome.code.name}: {outcome.details}"
@@ -947,7 +719,7 @@ def check_raw_outcome(method: str, messages: list[bytes], outcome: Outcome, stri
 
 
 @settings(FUZZ, max_examples=100)
-@given(call=raw_calls())
+@given(call=RAW.calls())
 def test_raw_bytes_never_break_the_server(fuzz: Harness, call: tuple[str, list[bytes]]) -> None:
     method, messages = call
     outcome = fuzz.run(raw_call, fuzz.channel, method, messages)
@@ -956,7 +728,7 @@ def test_raw_bytes_never_break_the_server(fuzz: Harness, call: tuple[str, list[b
 
 
 @settings(FUZZ, max_examples=50)
-@given(call=raw_calls(undecodable=True))
+@given(call=RAW.calls(undecodable=True))
 def test_raw_undecodable_requests_get_a_client_error(fuzz: Harness, call: tuple[str, list[bytes]]) -> None:
     method, messages = call
     outcome = fuzz.run(raw_call, fuzz.channel, method, messages)
@@ -965,9 +737,9 @@ def test_raw_undecodable_requests_get_a_client_error(fuzz: Harness, call: tuple[
 
 
 def test_oversized_messages_are_refused(fuzz: Harness) -> None:
-    """Beyond gRPC's 4 MiB receive limit: RESOURCE_EXHAUSTED, and still serving."""
-    huge = mr.ModelInfo(model_id="m" * MAX_GRPC_MESSAGE).SerializeToString()
-    message = b"\x0a" + _varint(len(huge)) + huge
+    """Beyond the server's receive limit: RESOURCE_EXHAUSTED, and still serving."""
+    model_info = mr.ModelInfo(model_id="m" * MAX_RECEIVE_MESSAGE_BYTES)
+    message = length_delimited(1, model_info.SerializeToString())
     for method in sorted(REQUEST_TYPES):
         outcome = fuzz.run(raw_call, fuzz.channel, method, [message], 10.0)
         assert outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} {outcome.code.name}"
@@ -1002,7 +774,7 @@ def test_huge_handles_are_not_server_errors(fuzz: Harness, method: str, handle: 
 def test_creation_timestamps_beyond_int64_are_not_server_errors(fuzz: Harness, timestamp: int) -> None:
     """The column is a signed BIGINT: such timestamps are refused as INVALID_ARGUMENT (they once
     failed the commit with INTERNAL)."""
-    model_id = fuzz.fresh_model_id()
+    model_id = fuzz.fresh_id()
     create_model(fuzz, model_id)
     outcome = create_version(
         fuzz, version_stream(model_id, [b"x"], data_size=1, creation_timestamp=timestamp)
@@ -1017,7 +789,7 @@ def test_creation_timestamps_beyond_int64_are_not_server_errors(fuzz: Harness, t
     ("handle", "count"), [(str(2**31), 0), (str(2**32 + 1), 0), ("", 2**31), ("", 2**32 - 1)]
 )
 def test_version_handles_and_counts_beyond_int32_are_not_server_errors(
-    fuzz: Harness, request: pytest.FixtureRequest, handle: str, count: int
+    fuzz: Harness, handle: str, count: int
 ) -> None:
     """Past the end: an empty page (or everything), never an error (PostgreSQL once refused them
     as "integer out of range": they are clamped to 32 bits)."""
