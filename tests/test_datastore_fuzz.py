@@ -872,15 +872,22 @@ def test_run_trial_datalog_fuzz(fuzz: Harness, data: st.DataObject, service: str
     )
     trial_id = datalog.ids[0] if datalog.ids else ""
     before = fuzz.trial_info(trial_id) if trial_id else None
+    # Calls are made in the harness loop: grpc.aio binds them to the loop they are made in.
     if bidi:
-        call = fuzz.datalog.RunTrialDatalog(metadata=datalog.metadata(), timeout=CALL_TIMEOUT_S)
-        outcome = fuzz.run(send_bidi, call, messages, cancel_after)
-    else:
-        call = fuzz.log_exporter.RunTrialDatalog(metadata=datalog.metadata(), timeout=CALL_TIMEOUT_S)
         outcome = fuzz.run(
-            send_stream,
-            call,
-            [datalog_pb2.LogExporterSampleRequest.FromString(m.SerializeToString()) for m in messages],
+            lambda: send_bidi(
+                fuzz.datalog.RunTrialDatalog(metadata=datalog.metadata(), timeout=CALL_TIMEOUT_S),
+                messages,
+                cancel_after,
+            )
+        )
+    else:
+        exported = [datalog_pb2.LogExporterSampleRequest.FromString(m.SerializeToString()) for m in messages]
+        outcome = fuzz.run(
+            lambda: send_stream(
+                fuzz.log_exporter.RunTrialDatalog(metadata=datalog.metadata(), timeout=CALL_TIMEOUT_S),
+                exported,
+            )
         )
     event(f"{service}: {outcome.code.name}")
     note(f"-> {outcome.code.name} {outcome.details!r}, {len(outcome.replies)} replies")
@@ -932,12 +939,15 @@ def test_delete_trials_fuzz(
     deleted can be created again, from nothing."""
     trial_ids = [fuzz.fresh_id("delete") for _ in created]
     for trial_id, samples in zip(trial_ids, created, strict=True):
-        call = fuzz.datalog.RunTrialDatalog(
-            iter(datalog_inputs(trial_params(), reader_samples(samples, ended=True))),
-            metadata=(("trial-id", trial_id),),
-            timeout=CALL_TIMEOUT_S,
+        inputs = datalog_inputs(trial_params(), reader_samples(samples, ended=True))
+        metadata = (("trial-id", trial_id),)
+        assert_ok(
+            fuzz.run(
+                lambda i=inputs, m=metadata: collect(
+                    fuzz.datalog.RunTrialDatalog(iter(i), metadata=m, timeout=CALL_TIMEOUT_S)
+                )
+            )
         )
-        assert_ok(fuzz.run(collect, call))
     deleted = {trial_ids[index] for index in chosen if index < len(trial_ids)}
     request = ds.DeleteTrialsRequest(trial_ids=[*deleted, *other_ids])
     assert_ok(fuzz.run(lambda: unary(fuzz.stub.DeleteTrials(request, timeout=CALL_TIMEOUT_S))))
@@ -1197,12 +1207,20 @@ def unknown_state_stream(fuzz: Harness, service: str, state: int) -> tuple[str, 
         add = ds.AddTrialRequest(trial_params=trial_params())
         fuzz.run(lambda: fuzz.stub.AddTrial(add, metadata=(("trial-id", trial_id),)))
         sample = ds.StoredTrialSample(tick_id=0, state=common_pb2.TrialState.ValueType(state))
-        call = fuzz.stub.AddSample(metadata=(("trial-id", trial_id),), timeout=CALL_TIMEOUT_S)
-        return trial_id, fuzz.run(send_stream, call, [ds.AddSampleRequest(trial_sample=sample)])
+        return trial_id, fuzz.run(
+            lambda: send_stream(
+                fuzz.stub.AddSample(metadata=(("trial-id", trial_id),), timeout=CALL_TIMEOUT_S),
+                [ds.AddSampleRequest(trial_sample=sample)],
+            )
+        )
     datalog = datalog_sample(0)
     datalog.info.state = common_pb2.TrialState.ValueType(state)
-    call = fuzz.datalog.RunTrialDatalog(metadata=(("trial-id", trial_id),), timeout=CALL_TIMEOUT_S)
-    return trial_id, fuzz.run(send_bidi, call, datalog_inputs(trial_params(), [datalog]))
+    return trial_id, fuzz.run(
+        lambda: send_bidi(
+            fuzz.datalog.RunTrialDatalog(metadata=(("trial-id", trial_id),), timeout=CALL_TIMEOUT_S),
+            datalog_inputs(trial_params(), [datalog]),
+        )
+    )
 
 
 def test_states_beyond_16_bits_are_not_server_errors(fuzz: Harness) -> None:
