@@ -151,8 +151,8 @@ class Ingestion:
 
     def _datalog(self, sample: datalog_pb2.DatalogSample) -> None:
         assert self._converter is not None
-        stored = self._converter.convert(sample)
-        self._add(stored.SerializeToString(), _stored_state(stored.state, sample.info.out_of_sync))
+        data, state = self._converter.convert_to_bytes(sample)
+        self._add(data, _stored_state(state, sample.info.out_of_sync))
 
     def _stored(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
         if sample.trial_id and sample.trial_id != self.trial.trial_id:
