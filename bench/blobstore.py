@@ -54,7 +54,11 @@ from bench.common import (  # noqa: E402
     direct_upload,
     sha256_b64,
 )
-from services.model_registry.blobstore import DEFAULT_PART_SIZE, DEFAULT_UPLOAD_CONCURRENCY, S3BlobStore  # noqa: E402
+from services.model_registry.blobstore.s3 import (  # noqa: E402
+    DEFAULT_PART_SIZE,
+    DEFAULT_UPLOAD_CONCURRENCY,
+    S3BlobStore,
+)
 from tests.fixtures.seaweedfs import SeaweedS3  # noqa: E402
 
 TARGET_UPLOAD_RATIO = 0.7

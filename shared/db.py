@@ -10,20 +10,23 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy import Table, create_engine, event, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, CursorResult, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.base import Executable
 
 from shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from shared.notify import ChangeFeed
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
@@ -140,6 +143,10 @@ def _reset_after_failure(connection: Connection | None) -> Connection | None:
         return None
 
 
+def _rows(result: CursorResult[Any]) -> Sequence[Sequence[Any]]:
+    return result.all() if result.returns_rows else []
+
+
 def _deliver(outcomes: list[tuple[Any, Any, BaseException | None]]) -> None:
     for future, result, error in outcomes:
         if future.cancelled():
@@ -150,12 +157,27 @@ def _deliver(outcomes: list[tuple[Any, Any, BaseException | None]]) -> None:
             future.set_result(result)
 
 
-def _in_transaction(work: Callable[[Connection], T]) -> Callable[[Connection], T]:
-    def run(connection: Connection) -> T:
-        with connection.begin():
-            return work(connection)
+class Transaction:
+    """One write transaction (see `Database.write`): its connection, and the change-feed keys
+    of what it changed."""
 
-    return run
+    __slots__ = ("_feed", "changed_keys", "connection")
+
+    def __init__(self, connection: Connection, feed: ChangeFeed | None) -> None:
+        self.connection = connection
+        self._feed = feed
+        self.changed_keys: list[str] = []
+
+    def execute(self, statement: Executable, parameters: Any = None) -> Any:
+        """`connection.execute`: its CursorResult."""
+        return self.connection.execute(statement, parameters)
+
+    def changed(self, keys: Iterable[str]) -> None:
+        """What this transaction changes: watchers of `keys` look again once it commits."""
+        keys = list(keys)
+        if self._feed is not None:
+            self._feed.notify(self.connection, keys)
+        self.changed_keys.extend(keys)
 
 
 class Database:
@@ -191,9 +213,6 @@ class Database:
         if self.is_sqlite:
             self._sqlite_reader = _SqliteThread(self.url, "sqlite-reader", sqlite_autocommit=True)
             self._sqlite_writer = _SqliteThread(self.url, "sqlite-writer", sqlite_immediate=True)
-        # SQLite has one writer at a time: queueing writers of this process here is cheaper than
-        # letting them spin on the busy timeout. Other processes still meet the busy timeout.
-        self._write_lock = asyncio.Lock() if self.is_sqlite else None
 
     @property
     def display_url(self) -> str:
@@ -202,45 +221,44 @@ class Database:
     async def fetch(
         self, statement: Executable, parameters: dict[str, Any] | None = None
     ) -> Sequence[Sequence[Any]]:
-        """Every row of one statement, run on its own (no surrounding transaction). Rows are
-        read by position, in the order of the statement's columns."""
+        """Every row of one statement, run on its own (no surrounding transaction): the read path.
+        Rows are read by position, in the order of the statement's columns; a statement that
+        returns no rows (e.g. ANALYZE) gives none."""
         if self._sqlite_reader is not None:
             return await self._sqlite_reader.submit(
-                lambda connection: connection.execute(statement, parameters).all()
+                lambda connection: _rows(connection.execute(statement, parameters))
             )
         async with self._autocommit.connect() as connection:
-            return (await connection.execute(statement, parameters)).all()
+            return _rows(await connection.execute(statement, parameters))
 
-    @asynccontextmanager
-    async def read(self) -> AsyncIterator[AsyncConnection]:
-        async with self.engine.connect() as connection, connection.begin():
-            yield connection
+    def insert(self, table: Table) -> Any:
+        """An INSERT of this database's dialect, which offers `on_conflict_do_nothing/update`."""
+        dialect: Any = postgresql if self.is_postgresql else sqlite
+        return dialect.insert(table)
 
-    @asynccontextmanager
-    async def write(self) -> AsyncIterator[AsyncConnection]:
-        if self._write_lock is None:
-            async with self.engine.begin() as connection:
-                yield connection
-            return
-        async with self._write_lock, self.engine.connect() as connection:
-            connection = await connection.execution_options(sqlite_immediate=True)
-            async with connection.begin():
-                yield connection
+    async def write(self, work: Callable[[Transaction], T], feed: ChangeFeed | None = None) -> T:
+        """Run `work` (synchronous SQLAlchemy code) in one write transaction; its result.
 
-    async def run_write(self, work: Callable[[Connection], T]) -> T:
-        """Run `work` (synchronous SQLAlchemy code) in one write transaction.
-
-        For batches of statements: on SQLite the whole transaction runs in one hop to the writer
-        thread; on PostgreSQL it runs through the async driver.
+        The keys `work` marks as changed (`Transaction.changed`) are notified to `feed` inside
+        the transaction (other replicas hear of it only if it commits), and this process's
+        watchers are woken once it has committed. On SQLite the whole transaction runs in one hop
+        to the writer thread; on PostgreSQL it runs through the async driver.
         """
-        if self._sqlite_writer is not None:
-            return await self._sqlite_writer.submit(_in_transaction(work))
-        async with self.engine.begin() as connection:
-            return await connection.run_sync(work)
 
-    async def ping(self) -> None:
-        async with self.engine.connect() as connection:
-            await connection.execute(text("SELECT 1"))
+        def run(connection: Connection) -> tuple[T, list[str]]:
+            transaction = Transaction(connection, feed)
+            with connection.begin():
+                result = work(transaction)
+            return result, transaction.changed_keys
+
+        if self._sqlite_writer is not None:
+            result, changed = await self._sqlite_writer.submit(run)
+        else:
+            async with self.engine.connect() as connection:
+                result, changed = await connection.run_sync(run)
+        if changed and feed is not None:
+            feed.wake(changed)
+        return result
 
     async def migrate(self) -> None:
         """Bring the schema to the latest revision (safe with several replicas starting at once)."""

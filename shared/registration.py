@@ -3,11 +3,13 @@
 
 Wiring in a `shared.server.Service`::
 
-    OPTIONS = [*service_options(ENV_PREFIX, DEFAULT_PORT), *registration_options("MODEL_REGISTRY"), ...]
+    OPTIONS = [*server_options(ENV_PREFIX, DEFAULT_PORT), *registration_options("MODEL_REGISTRY"), ...]
 
-    def __init__(self, values):
+    def __init__(self, settings):  # settings: ServerSettings and RegistrationSettings
         ...
-        self.registration = DirectoryRegistration.from_values(values, [directory_pb2.MODEL_REGISTRY_SERVICE])
+        self.registration = DirectoryRegistration.from_settings(
+            settings, [directory_pb2.MODEL_REGISTRY_SERVICE], bind_address=settings.bind_address,
+            ssl=bool(settings.tls_cert))
 
     async def on_serving(self, port): await self.registration.start(port)
     async def on_shutdown(self): await self.registration.stop()
@@ -61,6 +63,7 @@ from shared.endpoints import (
     service_type_name,
 )
 from shared.logging import get_logger
+from shared.settings import Settings
 from shared.version import PACKAGE_VERSION
 
 TOKEN_METADATA_KEY = "authentication-token"
@@ -146,6 +149,19 @@ def registration_options(service_env_name: str) -> list[Option]:
             f"{prefix}_DIRECTORY_TLS_KEY",
         ),
     ]
+
+
+@dataclass(frozen=True)
+class RegistrationSettings(Settings):
+    """The options of `registration_options()`."""
+
+    directory_endpoint: str
+    directory_authentication_token: str
+    directory_registration_host: str
+    directory_registration_properties: str
+    directory_tls_ca: str
+    directory_tls_cert: str
+    directory_tls_key: str
 
 
 @dataclass(frozen=True)
@@ -247,35 +263,38 @@ class DirectoryRegistration:
         self._log = log.bind(directory=str(self.endpoint) if self.endpoint else None)
 
     @classmethod
-    def from_values(
-        cls, values: Mapping[str, Any], service_types: Sequence[ServiceType], **kwargs: Any
+    def from_settings(
+        cls,
+        settings: RegistrationSettings,
+        service_types: Sequence[ServiceType],
+        *,
+        bind_address: str = "",
+        ssl: bool = False,
+        **kwargs: Any,
     ) -> DirectoryRegistration:
-        """From the values of `registration_options()` (and, when present, of
-        `shared.server.service_options()`: `bind_address`, `tls_cert`). Unparsable registration
-        properties are ignored with a warning."""
-        text = values.get("directory_registration_properties") or ""
+        """From the settings of `registration_options()`, for a service listening on
+        `bind_address` (over TLS when `ssl`). Unparsable registration properties are ignored
+        with a warning."""
+        text = settings.directory_registration_properties
         try:
             properties = parse_properties(text)
         except ValueError as error:
             log.warning("ignoring the directory registration properties", properties=text, error=str(error))
             properties = {}
-        tls_ca = values.get("directory_tls_ca") or ""
         directory_tls = (
-            DirectoryTls(
-                tls_ca, values.get("directory_tls_cert") or "", values.get("directory_tls_key") or ""
-            )
-            if tls_ca
+            DirectoryTls(settings.directory_tls_ca, settings.directory_tls_cert, settings.directory_tls_key)
+            if settings.directory_tls_ca
             else None
         )
         return cls(
-            values.get("directory_endpoint") or "",
+            settings.directory_endpoint,
             service_types,
             directory_tls=directory_tls,
-            authentication_token=values.get("directory_authentication_token") or "",
-            host=values.get("directory_registration_host") or "",
+            authentication_token=settings.directory_authentication_token,
+            host=settings.directory_registration_host,
             properties=properties,
-            bind_address=values.get("bind_address") or "",
-            ssl=bool(values.get("tls_cert")),
+            bind_address=bind_address,
+            ssl=ssl,
             **kwargs,
         )
 

@@ -4,7 +4,7 @@ S3 (SeaweedFS), and in-process services reached over real gRPC connections."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,12 +13,10 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
 from services.datastore.service import DatastoreService
-from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.directory.service import DirectoryService
 from shared.api import datalog_pb2_grpc, directory_pb2_grpc, trial_datastore_pb2_grpc
-from shared.config import Option, parse_options
+from shared.config import parse_options
 from shared.server import Service, serve
 from tests.interop.sdk_env import SdkEnvError, ensure_sdk_python
 
@@ -58,7 +56,7 @@ class RunningDirectory:
         return f"127.0.0.1:{self.port}"
 
 
-S = TypeVar("S", bound=Service)
+S = TypeVar("S", bound=Service[Any])
 
 
 @asynccontextmanager
@@ -79,14 +77,12 @@ async def run_in_process(service: S) -> AsyncIterator[S]:
 
 
 @asynccontextmanager
-async def serving(
-    options: Sequence[Option], make_service: Callable[[dict[str, Any]], S], *flags: str
-) -> AsyncIterator[tuple[S, grpc.aio.Channel]]:
+async def serving(service_class: type[S], *flags: str) -> AsyncIterator[tuple[S, grpc.aio.Channel]]:
     """Run a service in-process on 127.0.0.1 (a free port) with `flags`, and a channel to it."""
     argv = ["--port", "0", "--bind_address", "127.0.0.1", *flags]
-    values = parse_options(options, argv, prog="test", description="test", environ={})
+    values = parse_options(service_class.options, argv, prog="test", description="test", environ={})
     async with (
-        run_in_process(make_service(values)) as service,
+        run_in_process(service_class.from_values(values)) as service,
         grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,
     ):
         yield service, channel
@@ -101,7 +97,7 @@ def make_directory_factory(database_url: str) -> DirectoryFactory:
 
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningDirectory]:
-        running = serving(DIRECTORY_OPTIONS, DirectoryService, "--database_url", database_url, *flags)
+        running = serving(DirectoryService, "--database_url", database_url, *flags)
         async with running as (service, channel):
             yield RunningDirectory(service, channel, directory_pb2_grpc.DirectorySPStub(channel))
 
@@ -139,7 +135,7 @@ def make_datastore_factory(database_url: str) -> DatastoreFactory:
 
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningDatastore]:
-        running = serving(DATASTORE_OPTIONS, DatastoreService, "--database_url", database_url, *flags)
+        running = serving(DatastoreService, "--database_url", database_url, *flags)
         async with running as (service, channel):
             yield RunningDatastore(
                 service,

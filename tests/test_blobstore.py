@@ -1,4 +1,5 @@
-"""The model registry's blob stores, each test on both: a local directory and S3 (SeaweedFS)."""
+"""The model registry's blob stores, each contract test on all three: a local directory, S3 (SeaweedFS)
+and memory."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from typing import Any
 import pytest
 from minio import Minio
 
-from services.model_registry import blobstore
 from services.model_registry.blobstore import (
     MIN_PART_SIZE,
     BlobNotFound,
@@ -29,7 +29,11 @@ from services.model_registry.blobstore import (
     BlobStoreError,
     InvalidBlobKey,
     LocalBlobStore,
+    MemoryBlobStore,
     S3BlobStore,
+    local,
+    memory,
+    s3,
 )
 from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
 
@@ -40,7 +44,8 @@ MiB = 1 << 20
 @dataclass
 class Harness:
     store: BlobStore
-    # What the store holds besides committed blobs' bytes: files / objects / multipart uploads.
+    # What the store holds besides committed blobs' bytes: files / objects / multipart uploads /
+    # committed keys and uploads not committed.
     stored: Callable[[], list[str]]
     kind: str
 
@@ -55,18 +60,27 @@ def _s3_stored(client: Minio, bucket: str) -> list[str]:
     return sorted(objects + uploads)
 
 
+def _memory_stored(store: MemoryBlobStore) -> list[str]:
+    return store.keys + ["incomplete upload"] * store.incomplete_uploads
+
+
 def make_s3_store(server: SeaweedS3, bucket: str, **options: Any) -> S3BlobStore:
     options = {"part_size": PART, "upload_concurrency": 2, **options}
     return S3BlobStore(server.endpoint, server.access_key, server.secret_key, bucket, secure=False, **options)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "memory"])
 async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
     if request.param == "local":
         root = tmp_path / "blobs"
         store: BlobStore = LocalBlobStore(root)
         await store.start()
         yield Harness(store, lambda: _local_stored(root), "local")
+    elif request.param == "memory":
+        in_memory = MemoryBlobStore()
+        store = in_memory
+        await store.start()
+        yield Harness(store, lambda: _memory_stored(in_memory), "memory")
     else:
         server: SeaweedS3 = request.getfixturevalue("seaweed_s3")
         bucket = new_bucket_name()
@@ -122,7 +136,7 @@ async def test_round_trip(harness: Harness, size: int) -> None:
         assert b"".join(chunks) == data
         assert all(len(chunk) == chunk_size for chunk in chunks[:-1])
         assert not chunks or 0 < len(chunks[-1]) <= chunk_size
-    assert harness.stored() == ([key] if harness.kind == "local" else [f"object {key}"])
+    assert harness.stored() == ([f"object {key}"] if harness.kind == "s3" else [key])
 
 
 async def test_concurrent_uploads(harness: Harness) -> None:
@@ -174,7 +188,19 @@ async def test_failed_write_aborts_everything(harness: Harness, monkeypatch: pyt
         def fail(fd: int, pieces: list[bytes]) -> None:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(blobstore, "_write_all", fail)
+        monkeypatch.setattr(local, "_write_all", fail)
+    elif harness.kind == "memory":
+        real_write = memory._MemoryUpload._write
+        writes = 0
+
+        async def fail_third(upload: memory._MemoryUpload, chunk: bytes) -> None:
+            nonlocal writes
+            writes += 1
+            if writes == 3:  # with chunks held already
+                raise MemoryError("out of memory")
+            await real_write(upload, chunk)
+
+        monkeypatch.setattr(memory._MemoryUpload, "_write", fail_third)
     else:
         assert isinstance(harness.store, S3BlobStore)
         client = harness.store._client
@@ -314,7 +340,7 @@ async def test_cleanup_incomplete_removes_crashed_uploads(harness: Harness) -> N
     for chunk in split(payload(PART + MiB), [MiB]):
         await crashed.write(chunk)
     await crashed._settle()
-    if isinstance(crashed, blobstore._LocalUpload):
+    if isinstance(crashed, local._LocalUpload):
         os.close(crashed._fd)  # a dead process's file descriptor
     del crashed
     gc.collect()
@@ -328,7 +354,7 @@ async def test_cleanup_incomplete_removes_crashed_uploads(harness: Harness) -> N
     assert await store.cleanup_incomplete(older_than_s=0) == 0
     size, _ = await live.commit()
     assert size == PART + MiB
-    assert harness.stored() == (["versions/c/2"] if harness.kind == "local" else ["object versions/c/2"])
+    assert harness.stored() == (["object versions/c/2"] if harness.kind == "s3" else ["versions/c/2"])
 
 
 async def test_local_start_failure(tmp_path: Path) -> None:
@@ -404,8 +430,8 @@ async def test_s3_memory_is_bounded(seaweed_s3: SeaweedS3, monkeypatch: pytest.M
             buffers["max_live"] = max(buffers["max_live"], buffers["live"])
         return buffer
 
-    new_part_buffer = blobstore._new_part_buffer
-    monkeypatch.setattr(blobstore, "_new_part_buffer", counted)
+    new_part_buffer = s3._new_part_buffer
+    monkeypatch.setattr(s3, "_new_part_buffer", counted)
     store = make_s3_store(seaweed_s3, new_bucket_name(), upload_concurrency=2)
     await store.start()
     size = 64 * MiB

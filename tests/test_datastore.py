@@ -335,7 +335,8 @@ async def test_version_and_status(datastore: RunningDatastore) -> None:
 
 
 async def test_the_references_worked_reward_example(datastore: RunningDatastore) -> None:
-    """reference-behaviour.md 4.3: wildcard receivers, confidence-weighted means, dropped names."""
+    """docs/compatibility.md#datastore-conversion: wildcard receivers, confidence-weighted means, dropped
+    names."""
     actors = [("myactor", "class1"), ("myactor2", "class1"), ("myactor3", "class2"), ("myactor4", "class2")]
     params = common_pb2.TrialParams(actors=[common_pb2.ActorParams(name=n, actor_class=c) for n, c in actors])
 

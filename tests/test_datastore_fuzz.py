@@ -52,7 +52,7 @@ from google.protobuf.message import Message
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
-from services.datastore.samples import DatalogConverter
+from services.datastore.conversion import DatalogConverter
 from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
 from shared.server import MAX_RECEIVE_MESSAGE_BYTES

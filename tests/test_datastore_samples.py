@@ -1,5 +1,6 @@
-"""The Trial Datastore's pure sample transformations: datalog conversion (reference section 4.3) and the
-RetrieveSamples filter (section 4.2), including the reference's own test cases."""
+"""The Trial Datastore's pure sample transformations: datalog conversion
+(docs/compatibility.md#datastore-conversion) and the RetrieveSamples filter
+(docs/compatibility.md#sample-filter), including the reference's own test cases."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from google.protobuf import any_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.datastore.errors import InvalidRequest
-from services.datastore.samples import DatalogConverter, SampleFilter
+from services.datastore.conversion import DatalogConverter
+from services.datastore.sample_filter import SampleFilter
 from shared.api import common_pb2, datalog_pb2, environment_pb2, trial_datastore_pb2
+from shared.errors import InvalidArgument
 
 OBSERVATION = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_OBSERVATION
 ACTION = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_ACTION
@@ -486,7 +488,7 @@ def test_converted_sample_round_trips_through_bytes() -> None:
 
 
 def test_sample_without_info_is_invalid() -> None:
-    with pytest.raises(InvalidRequest, match="without `info`"):
+    with pytest.raises(InvalidArgument, match="without `info`"):
         converter().convert(datalog_pb2.DatalogSample(actions=[common_pb2.Action()]))
 
 
@@ -512,7 +514,7 @@ def test_actors_map_out_of_range_is_invalid(actors_map: list[int], message: str)
         info=info(),
         observations=environment_pb2.ObservationSet(observations=[b"a", b"b"], actors_map=actors_map),
     )
-    with pytest.raises(InvalidRequest, match=message):
+    with pytest.raises(InvalidArgument, match=message):
         converter().convert(sample)
 
 
@@ -520,20 +522,22 @@ def test_actors_map_without_observations_is_invalid() -> None:
     sample = datalog_pb2.DatalogSample(
         info=info(), observations=environment_pb2.ObservationSet(actors_map=[0])
     )
-    with pytest.raises(InvalidRequest, match=r"actors_map\[0\] = 0 .*there is no observation"):
+    with pytest.raises(InvalidArgument, match=r"actors_map\[0\] = 0 .*there is no observation"):
         converter().convert(sample)
 
 
 def test_more_actions_than_actors_is_invalid() -> None:
     sample = datalog_pb2.DatalogSample(info=info(), actions=[common_pb2.Action()] * 5)
     with pytest.raises(
-        InvalidRequest, match=r"actions has 5 entries: entry 4 has no actor \(4 actors: allowed"
+        InvalidArgument, match=r"actions has 5 entries: entry 4 has no actor \(4 actors: allowed"
     ):
         converter().convert(sample)
-    with pytest.raises(InvalidRequest, match=r"entry 1 has no actor \(1 actor: allowed indices are 0 to 0\)"):
+    with pytest.raises(
+        InvalidArgument, match=r"entry 1 has no actor \(1 actor: allowed indices are 0 to 0\)"
+    ):
         converter(trial_params(("a", "c"))).convert(sample)
     with pytest.raises(
-        InvalidRequest, match=r"entry 0 has no actor \(there is no actor, so no index is allowed\)"
+        InvalidArgument, match=r"entry 0 has no actor \(there is no actor, so no index is allowed\)"
     ):
         converter(common_pb2.TrialParams()).convert(sample)
 
@@ -571,7 +575,7 @@ class ReferenceConverter:
 
     def convert(self, sample: datalog_pb2.DatalogSample) -> trial_datastore_pb2.StoredTrialSample:
         if not sample.HasField("info"):
-            raise InvalidRequest(
+            raise InvalidArgument(
                 "DatalogSample without `info` (tick id, timestamp, state): the datastore needs it, "
                 "do not exclude the `info` field from the datalog"
             )
@@ -590,21 +594,21 @@ class ReferenceConverter:
             actors_map = sample.observations.actors_map
             observations = sample.observations.observations
             if len(actors_map) > count:
-                raise InvalidRequest(
+                raise InvalidArgument(
                     f"DatalogSample.observations.actors_map has {len(actors_map)} entries: entry "
                     f"{count} has no actor ({allowed(count, 'actor')})"
                 )
             payloads.extend(observations)
             for actor, observation in enumerate(actors_map):
                 if not 0 <= observation < len(observations):
-                    raise InvalidRequest(
+                    raise InvalidArgument(
                         f"DatalogSample.observations.actors_map[{actor}] = {observation} is not an "
                         f"observation index ({allowed(len(observations), 'observation')})"
                     )
                 actors[actor].observation = observation
 
         if len(sample.actions) > count:
-            raise InvalidRequest(
+            raise InvalidArgument(
                 f"DatalogSample.actions has {len(sample.actions)} entries: entry {count} has no actor "
                 f"({allowed(count, 'actor')})"
             )
@@ -667,11 +671,11 @@ def assert_converted_as_reference(
     for sample in samples:
         try:
             expected: bytes | str = reference.convert(sample).SerializeToString()
-        except InvalidRequest as error:
+        except InvalidArgument as error:
             expected = str(error)
         try:
             encoded, state = fast.convert_to_bytes(sample)
-        except InvalidRequest as error:
+        except InvalidArgument as error:
             assert str(error) == expected
             continue
         # Equal once parsed, compared re-encoded byte for byte (NaN payloads and -0.0 included).

@@ -132,8 +132,8 @@ def spec_trial(ticks: int) -> list[datalog_pb2.DatalogSample]:
 
 # ---- what the SDK should show for those samples ----
 
-# The datastore stores -1 as the index of the environment (reference behaviour); the SDK uses it as a Python
-# index, so it names the LAST actor of the trial as the sender.
+# The datastore stores -1 as the index of the environment (docs/compatibility.md#datastore-conversion); the
+# SDK uses it as a Python index, so it names the LAST actor of the trial as the sender.
 ENVIRONMENT_SEEN_BY_SDK = ACTOR_NAMES[-1]
 
 
@@ -681,7 +681,7 @@ async def test_sdk_reads_rewards_and_who_sent_them(
 async def test_known_sdk_quirk_environment_is_named_as_the_last_actor(
     datastore: RunningDatastore, sdk_python: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    """The datastore stores -1 for the environment (reference behaviour, the wire-compat page); SDK 2.10.1
+    """The datastore stores -1 for the environment (docs/compatibility.md#datastore-conversion); SDK 2.10.1
     uses it as a Python index and names the last actor.  Pinned so that a fixed SDK shows up."""
     report = await _read_sample_trials(datastore, sdk_python, tmp_path)
     chatty = _chatty_sample(report)

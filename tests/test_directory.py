@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from sqlalchemy import MetaData, select
+from sqlalchemy import select
 
+from shared import schema
 from shared.api import common_pb2, directory_pb2
 from shared.db import Database
 from tests.conftest import DirectoryFactory, RunningDirectory
@@ -240,11 +241,8 @@ async def test_secrets_and_tokens_are_not_stored_in_clear(directory: RunningDire
     (reply,) = await register(directory, request(ACTOR, {"p": "q"}), token=token)
     database: Database = directory.service.database
     dump = []
-    async with database.read() as connection:
-        tables = MetaData()
-        await connection.run_sync(tables.reflect)
-        for table in tables.sorted_tables:
-            dump += [repr(tuple(row)) for row in (await connection.execute(select(table))).all()]
+    for table in schema.metadata.sorted_tables:
+        dump += [repr(tuple(row)) for row in await database.fetch(select(table))]
     text = "\n".join(dump)
     assert str(reply.service_id) in text  # the dump does hold the entry
     assert reply.secret not in text
@@ -340,16 +338,10 @@ async def test_healthy_services_stay_visible_with_their_load(directory: RunningD
         await eventually(checked_several_times)
         assert set(await visible_ids(directory, properties={"h": "1"})) == set(ids)
         assert with_status.version_calls == 0  # Status answered: no fallback
-        async with directory.service.database.read() as connection:
-            from shared.schema import directory_services
-
-            loads = dict(
-                (
-                    await connection.execute(
-                        select(directory_services.c.service_id, directory_services.c.load)
-                    )
-                ).all()
-            )
+        rows = await directory.service.database.fetch(
+            select(schema.directory_services.c.service_id, schema.directory_services.c.load)
+        )
+        loads = dict((service_id, load) for service_id, load in rows)
         assert loads[ids[0]] == 42
     finally:
         for fake in (with_status, version_only, tcp):

@@ -68,7 +68,7 @@ VALID_PROTOCOLS = frozenset({1, 2, 3})  # GRPC, GRPC_SSL, COGMENT
 COGMENT = directory_pb2.ServiceEndpoint.COGMENT
 VALID_TYPES = frozenset({*range(1, 10), 100})  # TRIAL_LIFE_CYCLE..DIRECTORY, OTHER_SERVICE
 KNOWN_STATUSES = ("overall_load", "nb_entries", "load_balancing")
-# The reference's replies for storage failures (reference-behaviour.md 2.3), and this one's for
+# The reference's replies for storage failures (docs/compatibility.md#directory), and this one's for
 # Deregister: a server defect, whatever the request.
 STORAGE_FAILURES = ("Could not add service to database", "Could not update service in database")
 DEREGISTER_STORAGE_FAILURE = "database error"

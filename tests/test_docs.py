@@ -11,7 +11,7 @@ from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.model_registry.service import OPTIONS as MODEL_REGISTRY_OPTIONS
 from shared.config import Option
-from shared.server import service_options
+from shared.settings import server_options
 from tests.helpers.services import PROJECT_ROOT
 
 README = (PROJECT_ROOT / "README.md").read_text()
@@ -19,7 +19,7 @@ README = (PROJECT_ROOT / "README.md").read_text()
 
 # Flags every service has: the README lists them in the directory's table, and says the other
 # services' variables differ only by their prefix.
-COMMON_FLAGS = {option.flag for option in service_options("COGMENT_DIRECTORY", 0)}
+COMMON_FLAGS = {option.flag for option in server_options("COGMENT_DIRECTORY", 0)}
 DIRECTORY_ENV = {option.flag: option.env for option in DIRECTORY_OPTIONS}
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import services.model_registry.core as registry_core
 from services.model_registry.blobstore import BlobNotFound
-from services.model_registry.service import OPTIONS, ModelRegistryService
+from services.model_registry.service import ModelRegistryService
 from services.model_registry.servicer import data_chunk_frame
 from shared.api import model_registry_pb2 as mr
 from shared.api import model_registry_pb2_grpc
@@ -51,7 +51,7 @@ def registry_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Registry
 
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningRegistry]:
-        async with serving(OPTIONS, ModelRegistryService, *storage, *flags) as (service, channel):
+        async with serving(ModelRegistryService, *storage, *flags) as (service, channel):
             yield RunningRegistry(service, model_registry_pb2_grpc.ModelRegistrySPStub(channel))
 
     return start

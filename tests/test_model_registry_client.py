@@ -43,7 +43,7 @@ class StoredVersion:
 
 @dataclass
 class FakeRegistry(pb_grpc.ModelRegistrySPServicer):  # type: ignore[misc]
-    """Just enough of the reference registry's behaviour (reference-behaviour.md section 3.3)."""
+    """Just enough of the reference registry's behaviour (docs/compatibility.md#model-registry)."""
 
     models: dict[str, pb.ModelInfo] = field(default_factory=dict)
     versions: dict[str, dict[int, StoredVersion]] = field(default_factory=dict)

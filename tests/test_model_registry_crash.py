@@ -36,12 +36,8 @@ import pytest
 from sqlalchemy import select
 
 import services.model_registry.core as registry_core
-from services.model_registry.blobstore import (
-    INCOMPLETE_DIR,
-    BlobStore,
-    LocalBlobStore,
-    S3BlobStore,
-)
+from services.model_registry.blobstore import BlobStore, LocalBlobStore, S3BlobStore
+from services.model_registry.blobstore.local import INCOMPLETE_DIR
 from services.model_registry.core import STALE_UPLOAD_S, ModelRegistry
 from services.model_registry.service import CHANGE_CHANNEL
 from services.model_registry.store import RegistryStore

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from shared.db import Database
+from shared.db import Database, Transaction
 from shared.notify import ChangeFeed, _payloads
 
 
 async def _notify(database: Database, feed: ChangeFeed, keys: list[str]) -> None:
-    await database.run_write(lambda connection: feed.notify(connection, keys))
-    feed.wake(keys)
+    await database.write(lambda transaction: transaction.changed(keys), feed)
 
 
 async def test_local_wake_reaches_only_watches_of_the_key(tmp_path: Path) -> None:
@@ -43,12 +42,12 @@ async def test_notifications_reach_other_replicas_only_once_committed(postgres_u
             await feed.start()
         with feeds[1].watch(["trial:1"]) as watch:
 
-            def rolled_back(connection: object) -> None:
-                feeds[0].notify(connection, ["trial:1"])  # type: ignore[arg-type]
+            def rolled_back(transaction: Transaction) -> None:
+                transaction.changed(["trial:1"])
                 raise RuntimeError("roll back")
 
             with pytest.raises(RuntimeError):
-                await databases[0].run_write(rolled_back)
+                await databases[0].write(rolled_back, feeds[0])
             assert not await watch.wait(0.3)
             await _notify(databases[0], feeds[0], ["trial:1", "trial:2"])
             assert await watch.wait(2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +22,33 @@ from shared.registration import (
     SOURCE_COMMAND_LINE,
     SOURCE_IMPLICIT,
     DirectoryRegistration,
+    RegistrationSettings,
     discover_host,
     registration_options,
 )
-from shared.server import PACKAGE_VERSION
+from shared.version import PACKAGE_VERSION
 from tests.conftest import DirectoryFactory, RunningDirectory
 from tests.helpers.tls import make_pki, openssl_available
 
 MODEL_REGISTRY = directory_pb2.MODEL_REGISTRY_SERVICE
 WAIT_S = 15.0
+
+
+def registration_from(
+    values: Mapping[str, Any], service_types: Sequence[ServiceType]
+) -> DirectoryRegistration:
+    """The registration of a service configured with `values` (option values; those of
+    `registration_options()` left out take their defaults, `bind_address` and `tls_cert` are the
+    service's own)."""
+    defaults = parse_options(
+        registration_options("MODEL_REGISTRY"), [], prog="t", description="t", environ={}
+    )
+    settings = RegistrationSettings.from_values(
+        {**defaults, **{k: v for k, v in values.items() if k in defaults}}
+    )
+    return DirectoryRegistration.from_settings(
+        settings, service_types, bind_address=values.get("bind_address", ""), ssl=bool(values.get("tls_cert"))
+    )
 
 
 @pytest.fixture
@@ -209,9 +227,7 @@ async def test_implicit_host_is_the_bind_address(directory: RunningDirectory, se
         description="test",
         environ={},
     )
-    registration = DirectoryRegistration.from_values(
-        {**values, "bind_address": "127.0.0.1"}, [MODEL_REGISTRY]
-    )
+    registration = registration_from({**values, "bind_address": "127.0.0.1"}, [MODEL_REGISTRY])
     await registration.start(service_port)
     await asyncio.wait_for(registration.wait(), WAIT_S)
     [found] = await inquire(directory, MODEL_REGISTRY)
@@ -226,7 +242,7 @@ async def test_tls_service_registers_as_grpc_ssl(directory: RunningDirectory, se
         "directory_registration_host": "127.0.0.1",
         "tls_cert": "/some/cert.pem",
     }
-    registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+    registration = registration_from(values, [MODEL_REGISTRY])
     await registration.start(service_port)
     await asyncio.wait_for(registration.wait(), WAIT_S)
     [found] = await inquire(directory, MODEL_REGISTRY)
@@ -292,7 +308,7 @@ def test_discover_host_without_a_non_loopback_address(monkeypatch: pytest.Monkey
 async def test_disabled_without_a_directory_endpoint() -> None:
     values = parse_options(registration_options("MODEL_REGISTRY"), [], prog="t", description="t", environ={})
     assert values["directory_endpoint"] == ""
-    registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+    registration = registration_from(values, [MODEL_REGISTRY])
     assert not registration.enabled
     await registration.start(1234)
     await registration.wait()
@@ -309,7 +325,7 @@ def test_options_from_the_environment() -> None:
     }
     for name in ("TRIAL_DATASTORE", "COGMENT_TRIAL_DATASTORE"):
         values = parse_options(registration_options(name), [], prog="t", description="t", environ=environ)
-        registration = DirectoryRegistration.from_values(values, [directory_pb2.DATASTORE_SERVICE])
+        registration = registration_from(values, [directory_pb2.DATASTORE_SERVICE])
         assert registration.enabled
         assert registration.endpoint is not None and registration.endpoint.address == "dir.example:9005"
         assert registration.authentication_token == "tok"
@@ -327,7 +343,7 @@ def test_flags_override_the_environment() -> None:
         description="t",
         environ=environ,
     )
-    registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+    registration = registration_from(values, [MODEL_REGISTRY])
     assert registration.endpoint is not None and registration.endpoint.address == "[::1]:9006"
     assert registration.properties == {"x": "y"}
 
@@ -341,7 +357,7 @@ def test_unparsable_properties_are_ignored_with_a_warning() -> None:
         registration_options("MODEL_REGISTRY"), [], prog="t", description="t", environ=environ
     )
     with capture_logs() as logs:
-        registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+        registration = registration_from(values, [MODEL_REGISTRY])
     assert registration.enabled
     assert registration.properties == {}
     assert [entry["log_level"] for entry in logs] == ["warning"]
@@ -386,7 +402,7 @@ async def test_registers_in_a_directory_that_requires_mtls(
             "directory_tls_cert": str(pki.client.cert),
             "directory_tls_key": str(pki.client.key),
         }
-        registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+        registration = registration_from(values, [MODEL_REGISTRY])
         await registration.start(service_port)
         await asyncio.wait_for(registration.wait(), WAIT_S)
         assert len(registration.registered) == 1
@@ -406,7 +422,7 @@ async def test_unreadable_directory_tls_files_leave_the_service_unregistered(
         "directory_registration_host": "127.0.0.1",
         "directory_tls_ca": str(tmp_path / "missing-ca.pem"),
     }
-    registration = DirectoryRegistration.from_values(values, [MODEL_REGISTRY])
+    registration = registration_from(values, [MODEL_REGISTRY])
     with capture_logs() as logs:
         await registration.start(1234)
         await asyncio.wait_for(registration.wait(), WAIT_S)

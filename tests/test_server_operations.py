@@ -37,7 +37,7 @@ from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.directory.service import DirectoryService
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
 from shared.config import parse_options
-from shared.server import COGMENT_API_VERSION
+from shared.version import COGMENT_API_VERSION
 from tests.conftest import run_in_process
 from tests.helpers.services import PROJECT_ROOT, RunningService, start_service
 from tests.helpers.tls import KeyPair, Pki, make_pki, openssl_available
@@ -161,7 +161,7 @@ async def in_process(directory: Path, *flags: str) -> AsyncIterator[str]:
     """A directory served by this process on SQLite in `directory`; yields its address."""
     argv = ["--port", "0", "--bind_address", "127.0.0.1", *database_flags(directory), *flags]
     values = parse_options(DIRECTORY_OPTIONS, argv, prog="test", description="test", environ={})
-    async with run_in_process(DirectoryService(values)) as service:
+    async with run_in_process(DirectoryService.from_values(values)) as service:
         yield f"127.0.0.1:{service.port}"
 
 

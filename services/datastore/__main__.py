@@ -5,18 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from services.datastore.service import OPTIONS, DatastoreService
+from services.datastore.service import DatastoreService
 from shared.server import run_service_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service_main(
-        OPTIONS,
-        DatastoreService,
-        argv,
-        prog="python -m services.datastore",
-        description="Cogment Trial Datastore: datalog ingestion, stored trials, replay and live samples.",
-    )
+    return run_service_main(DatastoreService, argv)
 
 
 if __name__ == "__main__":

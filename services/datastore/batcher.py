@@ -16,15 +16,12 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from services.datastore.store import DatastoreStore, SampleAppend
-from shared.api import common_pb2
+from services.datastore.model import ENDED, NO_STATE, SampleAppend
+from services.datastore.store import DatastoreStore
 from shared.logging import get_logger
 
 DEFAULT_MAX_SAMPLES = 1000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
-# A state that changes nothing in the trial (out-of-sync samples have none).
-NO_STATE = common_pb2.UNKNOWN
-ENDED = common_pb2.ENDED
 
 log = get_logger("datastore.batcher")
 

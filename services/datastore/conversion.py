@@ -1,25 +1,23 @@
-"""The Trial Datastore's two sample transformations, kept pure (no I/O) so they are easy to test and cheap.
+"""The Trial Datastore's conversion of samples, kept pure (no I/O) so it is easy to test and cheap.
 
-* `DatalogConverter` turns what the orchestrator logs (`DatalogSample`, names and per-tick sets) into what the
-  datastore stores and serves (`StoredTrialSample`, actor indices and one flat list of payloads referenced by
-  index). It runs once per sample on the ingestion path, so everything that depends only on the trial
-  (name and wildcard resolution) is computed once per trial, and the encoding once per sample shape.
-* `SampleFilter` is what `RetrieveSamples` keeps of a stored sample for the requested actors and fields; it
-  keeps `payloads` index-stable so the indices inside the kept fields stay valid.
+`DatalogConverter` turns what the orchestrator logs (`DatalogSample`, names and per-tick sets) into what the
+datastore stores and serves (`StoredTrialSample`, actor indices and one flat list of payloads referenced by
+index). It runs once per sample on the ingestion path, so everything that depends only on the trial
+(name and wildcard resolution) is computed once per trial, and the encoding once per sample shape.
 
-Both follow the reference datastore (`reference-behaviour.md` sections 4.2 and 4.3), except for its defects:
+It follows the reference datastore (`docs/compatibility.md#datastore-conversion`), except for its defects:
 the sample's `user_id` is the trial's user, wildcards resolve in actor order, malformed samples raise
-`InvalidRequest` instead of crashing the server.
+`InvalidArgument` instead of crashing the server. (`sample_filter.py` holds the readers' side.)
 """
 
 from __future__ import annotations
 
 import operator
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from services.datastore.errors import InvalidRequest
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
+from shared.errors import InvalidArgument
 
 StoredTrialSample = trial_datastore_pb2.StoredTrialSample
 
@@ -122,7 +120,8 @@ class _Plan:
 
 
 class DatalogConverter:
-    """Turns the orchestrator's DatalogSamples of one trial into StoredTrialSamples (reference, section 4.3).
+    """Turns the orchestrator's DatalogSamples of one trial into StoredTrialSamples
+    (docs/compatibility.md#datastore-conversion).
 
     One instance per datalog stream: the actor tables derived from the trial's params are built here once, so
     converting a sample only does dictionary lookups.
@@ -208,7 +207,7 @@ class DatalogConverter:
     def convert_to_bytes(self, sample: datalog_pb2.DatalogSample) -> tuple[bytes, int]:
         """The encoded StoredTrialSample, and its `state` (the trial state the orchestrator logged)."""
         if not sample.HasField("info"):
-            raise InvalidRequest(
+            raise InvalidArgument(
                 "DatalogSample without `info` (tick id, timestamp, state): the datastore needs it, "
                 "do not exclude the `info` field from the datalog"
             )
@@ -309,21 +308,21 @@ class DatalogConverter:
             return layout
         actor_count = self._actor_count
         if len(actors_map) > actor_count:
-            raise InvalidRequest(
+            raise InvalidArgument(
                 f"DatalogSample.observations.actors_map has {len(actors_map)} entries: entry "
                 f"{actor_count} has no actor ({_allowed_indices(actor_count, 'actor')})"
             )
         bodies = list(self._actor_fields)
         for actor_index, observation_index in enumerate(actors_map):
             if not 0 <= observation_index < observation_count:
-                raise InvalidRequest(
+                raise InvalidArgument(
                     f"DatalogSample.observations.actors_map[{actor_index}] = {observation_index} is not "
                     f"an observation index ({_allowed_indices(observation_count, 'observation')})"
                 )
             # Actors seeing the same observation share its payload index, which is its observation index.
             bodies[actor_index] += _OBSERVATION_TAG + _varint(observation_index)
         if action_count > actor_count:
-            raise InvalidRequest(
+            raise InvalidArgument(
                 f"DatalogSample.actions has {action_count} entries: entry {actor_count} has no actor "
                 f"({_allowed_indices(actor_count, 'actor')})"
             )
@@ -449,130 +448,3 @@ class DatalogConverter:
         pieces[0] = variable_count + len(constants)
         pieces.append(variable_count + len(constants) + 1)
         return _Plan(tuple(constants), operator.itemgetter(*pieces), tuple(mean_groups))
-
-
-_OBSERVATION = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_OBSERVATION
-_ACTION = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_ACTION
-_REWARD = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_REWARD
-_RECEIVED_REWARDS = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_RECEIVED_REWARDS
-_SENT_REWARDS = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_SENT_REWARDS
-_RECEIVED_MESSAGES = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_RECEIVED_MESSAGES
-_SENT_MESSAGES = trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_SENT_MESSAGES
-_ALL_FIELDS = frozenset(
-    {_OBSERVATION, _ACTION, _REWARD, _RECEIVED_REWARDS, _SENT_REWARDS, _RECEIVED_MESSAGES, _SENT_MESSAGES}
-)
-
-
-class SampleFilter:
-    """What RetrieveSamples keeps of one trial's samples (reference section 4.2).
-
-    Built once per (request, trial) since actor selection depends on the trial's params, then applied to each
-    sample. When it would change nothing (`keeps_everything`), the caller can send the stored bytes as they
-    are instead of parsing and re-serializing every sample.
-    """
-
-    __slots__ = (
-        "_action",
-        "_keeps_everything",
-        "_observation",
-        "_received_messages",
-        "_received_rewards",
-        "_reward",
-        "_selected_actors",
-        "_sent_messages",
-        "_sent_rewards",
-    )
-
-    def __init__(
-        self,
-        params: common_pb2.TrialParams,
-        actor_names: Sequence[str],
-        actor_classes: Sequence[str],
-        actor_implementations: Sequence[str],
-        fields: Sequence[int],
-    ) -> None:
-        # Actor selection: AND of the three lists, an empty list selecting any. None = no actor filter at all.
-        names, classes, implementations = (
-            frozenset(actor_names),
-            frozenset(actor_classes),
-            frozenset(actor_implementations),
-        )
-        self._selected_actors: frozenset[int] | None = None
-        if names or classes or implementations:
-            self._selected_actors = frozenset(
-                index
-                for index, actor in enumerate(params.actors)
-                if (not names or actor.name in names)
-                and (not classes or actor.actor_class in classes)
-                and (not implementations or actor.implementation in implementations)
-            )
-
-        # Field selection: UNKNOWN (0) and numbers this version does not know are ignored; nothing left = all.
-        selected_fields = _ALL_FIELDS.intersection(fields) or _ALL_FIELDS
-        self._observation = _OBSERVATION in selected_fields
-        self._action = _ACTION in selected_fields
-        self._reward = _REWARD in selected_fields
-        self._received_rewards = _RECEIVED_REWARDS in selected_fields
-        self._sent_rewards = _SENT_REWARDS in selected_fields
-        self._received_messages = _RECEIVED_MESSAGES in selected_fields
-        self._sent_messages = _SENT_MESSAGES in selected_fields
-        self._keeps_everything = self._selected_actors is None and selected_fields == _ALL_FIELDS
-
-    @property
-    def keeps_everything(self) -> bool:
-        """True when applying it would change nothing: then the caller sends stored bytes as they are."""
-        return self._keeps_everything
-
-    def apply(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
-        """Filters `sample` in place (idempotent)."""
-        if self._keeps_everything:
-            return
-        actor_samples = sample.actor_samples
-        selected = self._selected_actors
-        if selected is not None:
-            # Backwards, so deleting does not shift the entries still to visit.
-            for position in range(len(actor_samples) - 1, -1, -1):
-                if actor_samples[position].actor not in selected:
-                    del actor_samples[position]
-
-        # Clear unselected fields, and collect the payloads the kept fields refer to.
-        referenced: set[int] = set()
-        for actor_sample in actor_samples:
-            if not self._observation:
-                actor_sample.ClearField("observation")
-            elif actor_sample.HasField("observation"):
-                referenced.add(actor_sample.observation)
-            if not self._action:
-                actor_sample.ClearField("action")
-            elif actor_sample.HasField("action"):
-                referenced.add(actor_sample.action)
-            if not self._reward:
-                actor_sample.ClearField("reward")
-            if not self._received_rewards:
-                actor_sample.ClearField("received_rewards")
-            else:
-                referenced.update(
-                    reward.user_data
-                    for reward in actor_sample.received_rewards
-                    if reward.HasField("user_data")
-                )
-            if not self._sent_rewards:
-                actor_sample.ClearField("sent_rewards")
-            else:
-                referenced.update(
-                    reward.user_data for reward in actor_sample.sent_rewards if reward.HasField("user_data")
-                )
-            if not self._received_messages:
-                actor_sample.ClearField("received_messages")
-            else:
-                referenced.update(message.payload for message in actor_sample.received_messages)
-            if not self._sent_messages:
-                actor_sample.ClearField("sent_messages")
-            else:
-                referenced.update(message.payload for message in actor_sample.sent_messages)
-
-        # Same length, so indices stay valid; unreferenced payloads are emptied without being read.
-        payloads = sample.payloads
-        for index in range(len(payloads)):
-            if index not in referenced:
-                payloads[index] = b""

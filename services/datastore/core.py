@@ -15,13 +15,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TypeVar
 
-from services.datastore.batcher import NO_STATE, SampleBatcher, TrialMissing
-from services.datastore.errors import DatastoreError, InvalidRequest, NotFound, Unavailable
-from services.datastore.samples import DatalogConverter, SampleFilter
-from services.datastore.store import TRIALS_KEY, DatastoreStore, TrialRecord, samples_key
+from services.datastore.batcher import SampleBatcher, TrialMissing
+from services.datastore.conversion import DatalogConverter
+from services.datastore.model import ENDED, NO_STATE, TrialRecord
+from services.datastore.sample_filter import SampleFilter
+from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
+from shared.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
+from shared.validation import MAX_INT64_POSITION, checked_id, checked_text, parse_handle, quoted
 
 # Samples read per query while replaying.
 READ_BATCH = 500
@@ -30,43 +33,10 @@ READ_BATCH = 500
 MAX_IN_FLIGHT = 2000
 # The user id of trials ingested without a `user-id` header (the reference's constant).
 DEFAULT_DATALOG_USER_ID = "log exporter server"
-ENDED = common_pb2.ENDED
 KNOWN_STATES = frozenset(common_pb2.TrialState.values())
-MAX_HANDLE = 2**63 - 1
 
 log = get_logger("datastore.core")
 R = TypeVar("R")
-
-
-def quoted(text: str) -> str:
-    """`text` for an error message: client input can be huge."""
-    return text if len(text) <= 200 else text[:200] + "..."
-
-
-def checked_text(value: str, what: str) -> str:
-    # PostgreSQL text cannot hold NUL characters.
-    if "\x00" in value:
-        raise InvalidRequest(f"{what} cannot contain NUL characters")
-    return value
-
-
-def checked_trial_id(trial_id: str) -> str:
-    if not trial_id:
-        raise InvalidRequest("empty trial id")
-    return checked_text(trial_id, "trial ids")
-
-
-def parse_handle(handle: str) -> int:
-    """Handles are ASCII decimal positions (empty = 0), as the reference parses them; past the
-    last possible position (trial_seq is a signed 64-bit column) they mean the end."""
-    if not handle:
-        return 0
-    if not (handle.isascii() and handle.isdecimal()):
-        raise InvalidRequest(
-            f'Invalid value for `trial_handle` "{quoted(handle)}": expected a decimal position'
-        )
-    digits = handle.lstrip("0") or "0"
-    return MAX_HANDLE if len(digits) > 19 else min(int(digits), MAX_HANDLE)
 
 
 def _stored_state(state: int, out_of_sync: bool = False) -> int:
@@ -144,7 +114,7 @@ class Ingestion:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    def _failure(self, error: Exception) -> DatastoreError:
+    def _failure(self, error: Exception) -> ServiceError:
         if isinstance(error, TrialMissing):
             return NotFound(f'trial "{quoted(self.trial.trial_id)}" was deleted')
         return Unavailable(f"could not store the samples: {error}")
@@ -156,7 +126,7 @@ class Ingestion:
 
     def _stored(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
         if sample.trial_id and sample.trial_id != self.trial.trial_id:
-            raise InvalidRequest(
+            raise InvalidArgument(
                 "'AddSampleRequest.TrialSample.trial_id' should be left undefined or should match the "
                 "header metadata 'trial-id'"
             )
@@ -196,7 +166,7 @@ class TrialDatastore:
     async def _upsert(
         self, trial_id: str, user_id: str, params: common_pb2.TrialParams, *, reopen: bool
     ) -> TrialRecord:
-        checked_trial_id(trial_id)
+        checked_id(trial_id, "trial id")
         checked_text(user_id, "user ids")
         data = params.SerializeToString()
         seq = await self.store.upsert_trial(
@@ -224,7 +194,8 @@ class TrialDatastore:
         reached, or every requested trial was found. The next handle is the position after the
         last returned trial when the count was reached, else the end of what was looked at.
         """
-        after = parse_handle(handle)
+        # trial_seq is a signed 64-bit column.
+        after = parse_handle(handle, "trial_handle", MAX_INT64_POSITION)
         wanted_ids = list(dict.fromkeys(trial_ids))
         limit: int | None = count or None
         if wanted_ids and (limit is None or limit > len(wanted_ids)):
@@ -255,7 +226,7 @@ class TrialDatastore:
 
     async def open_samples(self, trial_id: str) -> Ingestion:
         """Start adding stored samples to an existing trial (AddSample)."""
-        found = await self.store.get_trials([checked_trial_id(trial_id)])
+        found = await self.store.get_trials([checked_id(trial_id, "trial id")])
         if trial_id not in found:
             raise NotFound(f'no trial "{quoted(trial_id)}" found')
         return Ingestion(self, found[trial_id], None)

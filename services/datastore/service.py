@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 
@@ -16,36 +16,52 @@ from shared.config import Option, positive_int
 from shared.db import Database
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
-from shared.registration import DirectoryRegistration, registration_options
-from shared.server import Service, ServiceRuntime, database_url, service_options
+from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
+from shared.runtime import ServiceRuntime
+from shared.server import Service
+from shared.settings import ServerSettings, server_options
 
 DEFAULT_PORT = 9003
 ENV_PREFIX = "COGMENT_TRIAL_DATASTORE"
 CHANGE_CHANNEL = "cogment_datastore"
 
 OPTIONS: list[Option] = [
-    *service_options(ENV_PREFIX, DEFAULT_PORT),
+    *server_options(ENV_PREFIX, DEFAULT_PORT),
     Option("batch_max_samples", "ingested samples written per transaction at most (samples arriving "
            "while one commits share the next)", DEFAULT_MAX_SAMPLES, f"{ENV_PREFIX}_BATCH_MAX_SAMPLES",
            positive_int),
     *registration_options("TRIAL_DATASTORE"),
 ]  # fmt: skip
 
+
+@dataclass(frozen=True)
+class DatastoreSettings(ServerSettings, RegistrationSettings):
+    """The values of OPTIONS."""
+
+    batch_max_samples: int
+
+
 log = get_logger("datastore")
 
 
-class DatastoreService(Service):
+class DatastoreService(Service[DatastoreSettings]):
     name = "datastore"
+    settings_type = DatastoreSettings
+    options = OPTIONS
+    description = "Cogment Trial Datastore: datalog ingestion, stored trials, replay and live samples."
 
-    def __init__(self, values: dict[str, Any]) -> None:
-        super().__init__(values)
-        self.database = Database(database_url(values, "datastore"))
+    def __init__(self, settings: DatastoreSettings) -> None:
+        super().__init__(settings)
+        self.database = Database(settings.database_url_of("datastore"))
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database, self.feed)
-        self.batcher = SampleBatcher(self.store, max_samples=values["batch_max_samples"])
+        self.batcher = SampleBatcher(self.store, max_samples=settings.batch_max_samples)
         self.datastore = TrialDatastore(self.store, self.feed, self.batcher)
-        self.registration = DirectoryRegistration.from_values(
-            values, [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE]
+        self.registration = DirectoryRegistration.from_settings(
+            settings,
+            [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE],
+            bind_address=settings.bind_address,
+            ssl=bool(settings.tls_cert),
         )
 
     @property

@@ -16,26 +16,18 @@ from typing import Any
 import grpc
 
 from services.datastore.core import Ingestion, TrialDatastore
-from services.datastore.errors import DatastoreError, InvalidRequest, NotFound, Unavailable
-from services.datastore.store import TrialRecord
+from services.datastore.model import TrialRecord
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
-from shared.server import ServiceRuntime, VersionStatusMixin, add_servicer, field_one_frame, pre_encoded
+from shared.errors import InvalidArgument
+from shared.handlers import add_servicer, field_one_frame, pre_encoded
+from shared.runtime import ServiceRuntime, VersionStatusMixin
 
 # StoredTrialInfo.samples_count is 32-bit.
 MAX_SAMPLES_COUNT = 2**32 - 1
-STATUS_BY_ERROR: dict[type[DatastoreError], grpc.StatusCode] = {
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
 # Every DatalogSP acknowledgement is this same empty message.
 ACKNOWLEDGEMENT = datalog_pb2.RunTrialDatalogOutput()
 
 DatalogInput = datalog_pb2.RunTrialDatalogInput | datalog_pb2.LogExporterSampleRequest
-
-
-async def _abort(context: Any, error: DatastoreError) -> None:
-    await context.abort(STATUS_BY_ERROR.get(type(error), grpc.StatusCode.INVALID_ARGUMENT), str(error))
 
 
 def _header_values(context: Any, key: str) -> list[str]:
@@ -45,7 +37,7 @@ def _header_values(context: Any, key: str) -> list[str]:
 def _single_trial_id(context: Any) -> str:
     values = _header_values(context, "trial-id")
     if len(values) != 1:
-        raise InvalidRequest(
+        raise InvalidArgument(
             "Missing expected 'trial-id' header metadata defining the id of the trial to add"
             if not values
             else f"Expected exactly one 'trial-id' header metadata, got {len(values)}"
@@ -65,13 +57,13 @@ def trial_info_message(record: TrialRecord) -> trial_datastore_pb2.StoredTrialIn
 
 def _datalog_sample(request: DatalogInput) -> datalog_pb2.DatalogSample:
     if request.WhichOneof("msg") != "sample":
-        raise InvalidRequest('body message is not of type "cogment.DatalogSample"')
+        raise InvalidArgument('body message is not of type "cogment.DatalogSample"')
     return request.sample
 
 
 def _stored_sample(request: trial_datastore_pb2.AddSampleRequest) -> trial_datastore_pb2.StoredTrialSample:
     if not request.HasField("trial_sample"):
-        raise InvalidRequest("AddSampleRequest without a trial_sample")
+        raise InvalidArgument("AddSampleRequest without a trial_sample")
     return request.trial_sample
 
 
@@ -103,16 +95,13 @@ class TrialDatastoreServicer(VersionStatusMixin):
     async def RetrieveTrials(
         self, request: trial_datastore_pb2.RetrieveTrialsRequest, context: Any
     ) -> trial_datastore_pb2.RetrieveTrialsReply:
-        try:
-            records, handle = await self.datastore.retrieve_trials(
-                list(request.trial_ids),
-                dict(request.properties),
-                request.timeout,
-                request.trials_count,
-                request.trial_handle,
-            )
-        except DatastoreError as error:
-            await _abort(context, error)
+        records, handle = await self.datastore.retrieve_trials(
+            list(request.trial_ids),
+            dict(request.properties),
+            request.timeout,
+            request.trials_count,
+            request.trial_handle,
+        )
         return trial_datastore_pb2.RetrieveTrialsReply(
             trial_infos=[trial_info_message(record) for record in records], next_trial_handle=handle
         )
@@ -121,36 +110,27 @@ class TrialDatastoreServicer(VersionStatusMixin):
         self, request: trial_datastore_pb2.RetrieveSamplesRequest, context: Any
     ) -> AsyncIterator[bytes]:
         """Yields encoded RetrieveSampleReply messages: stored samples go out without re-encoding."""
-        try:
-            async for data in self.datastore.samples(
-                list(request.trial_ids),
-                list(request.actor_names),
-                list(request.actor_classes),
-                list(request.actor_implementations),
-                list(request.selected_sample_fields),
-            ):
-                yield field_one_frame(data)
-        except DatastoreError as error:
-            await _abort(context, error)
+        async for data in self.datastore.samples(
+            list(request.trial_ids),
+            list(request.actor_names),
+            list(request.actor_classes),
+            list(request.actor_implementations),
+            list(request.selected_sample_fields),
+        ):
+            yield field_one_frame(data)
 
     async def AddTrial(
         self, request: trial_datastore_pb2.AddTrialRequest, context: Any
     ) -> trial_datastore_pb2.AddTrialReply:
-        try:
-            await self.datastore.add_trial(_single_trial_id(context), request.user_id, request.trial_params)
-        except DatastoreError as error:
-            await _abort(context, error)
+        await self.datastore.add_trial(_single_trial_id(context), request.user_id, request.trial_params)
         return trial_datastore_pb2.AddTrialReply()
 
     async def AddSample(
         self, request_iterator: AsyncIterator[trial_datastore_pb2.AddSampleRequest], context: Any
     ) -> trial_datastore_pb2.AddSamplesReply:
-        try:
-            ingestion = await self.datastore.open_samples(_single_trial_id(context))
-            async for _ in ingestion.ingest_stored(request_iterator, _stored_sample):
-                pass
-        except DatastoreError as error:
-            await _abort(context, error)
+        ingestion = await self.datastore.open_samples(_single_trial_id(context))
+        async for _ in ingestion.ingest_stored(request_iterator, _stored_sample):
+            pass
         return trial_datastore_pb2.AddSamplesReply()
 
     async def DeleteTrials(
@@ -170,13 +150,13 @@ class DatalogIngestion:
     async def run(self, requests: AsyncIterator[DatalogInput], context: Any) -> AsyncIterator[int]:
         ids = _header_values(context, "trial-id")
         if not ids:
-            raise InvalidRequest('DatalogServer.RunTrialDatalog: missing required header "trial-id"')
+            raise InvalidArgument('DatalogServer.RunTrialDatalog: missing required header "trial-id"')
         users = _header_values(context, "user-id")
         first = await anext(requests, None)
         if first is None:
             return  # nothing was sent: nothing to do
         if first.WhichOneof("msg") != "trial_params":
-            raise InvalidRequest(
+            raise InvalidArgument(
                 'DatalogServer.RunTrialDatalog: initial message is not of type "cogment.TrialParams"'
             )
         opening = asyncio.ensure_future(
@@ -205,12 +185,9 @@ class DatalogServicer(VersionStatusMixin):
     async def RunTrialDatalog(
         self, request_iterator: AsyncIterator[datalog_pb2.RunTrialDatalogInput], context: Any
     ) -> AsyncIterator[datalog_pb2.RunTrialDatalogOutput]:
-        try:
-            async for committed in self.ingestion.run(request_iterator, context):
-                for _ in range(committed):
-                    yield ACKNOWLEDGEMENT
-        except DatastoreError as error:
-            await _abort(context, error)
+        async for committed in self.ingestion.run(request_iterator, context):
+            for _ in range(committed):
+                yield ACKNOWLEDGEMENT
 
 
 class LogExporterServicer(VersionStatusMixin):
@@ -221,9 +198,6 @@ class LogExporterServicer(VersionStatusMixin):
     async def RunTrialDatalog(
         self, request_iterator: AsyncIterator[datalog_pb2.LogExporterSampleRequest], context: Any
     ) -> datalog_pb2.LogExporterSampleReply:
-        try:
-            async for _ in self.ingestion.run(request_iterator, context):
-                pass
-        except DatastoreError as error:
-            await _abort(context, error)
+        async for _ in self.ingestion.run(request_iterator, context):
+            pass
         return datalog_pb2.LogExporterSampleReply()

@@ -10,7 +10,6 @@ replica look again.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -24,11 +23,10 @@ from sqlalchemy import (
     insert,
     select,
 )
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 
-from shared.db import Database
+from services.datastore.model import SampleAppend, TrialProgress, TrialRecord
+from shared.db import Database, Transaction
 from shared.digest import pair_digest, sha256_hex
 from shared.notify import ChangeFeed
 from shared.schema import datastore_samples as samples
@@ -48,38 +46,6 @@ def trial_key(trial_id: str) -> str:
 def samples_key(trial_seq: int) -> str:
     """The change-feed key of a trial's samples (and of its deletion)."""
     return f"trial:{trial_seq}"
-
-
-@dataclass
-class TrialRecord:
-    trial_seq: int
-    trial_id: str
-    user_id: str
-    params: bytes
-    samples_count: int
-    last_state: int
-    ended: bool
-    closed: bool
-
-
-@dataclass
-class TrialProgress:
-    samples_count: int
-    ended: bool
-    closed: bool
-
-
-@dataclass
-class SampleAppend:
-    """Samples of one trial to store after its current ones, and what they change in the trial."""
-
-    trial_seq: int
-    samples: list[bytes]
-    # State of the last in-sync sample that has one; None leaves the trial's state alone.
-    last_state: int | None = None
-    ended: bool = False
-    # The ingestion stream closed after these samples.
-    close: bool = False
 
 
 _TRIAL_COLUMNS = (
@@ -123,7 +89,6 @@ class DatastoreStore:
     def __init__(self, database: Database, feed: ChangeFeed) -> None:
         self.db = database
         self.feed = feed
-        dialect: Any = postgresql if database.is_postgresql else sqlite
         # The ingestion statements run on the driver's cursor: SQLAlchemy's work per execution
         # cost more than the database's own (and on PostgreSQL it runs on the event loop).
         # The UPDATE's row lock serializes appends to one trial across replicas: sample numbers
@@ -137,7 +102,7 @@ class DatastoreStore:
         self._insert_samples = (
             f"INSERT INTO {samples.name} (trial_seq, sample_seq, data) VALUES ({mark}, {mark}, {mark})"
         )
-        upsert = dialect.insert(trials)
+        upsert = database.insert(trials)
         # `reopen`: a new ingestion stream starts, live readers wait for it again.
         self._upsert_trial = upsert.on_conflict_do_update(
             index_elements=[trials.c.trial_key],
@@ -177,19 +142,17 @@ class DatastoreStore:
         }
         digests = sorted({pair_digest(name, value) for name, value in trial_properties.items()})
 
-        def write(connection: Connection) -> int:
-            seq = int(connection.execute(self._upsert_trial, row).scalar_one())
-            connection.execute(_DELETE_PROPERTIES, {"seq": seq})
+        def write(transaction: Transaction) -> int:
+            seq = int(transaction.execute(self._upsert_trial, row).scalar_one())
+            transaction.execute(_DELETE_PROPERTIES, {"seq": seq})
             if digests:
-                connection.execute(
+                transaction.execute(
                     _INSERT_PROPERTIES, [{"trial_seq": seq, "pair_digest": digest} for digest in digests]
                 )
-            self.feed.notify(connection, [TRIALS_KEY, samples_key(seq)])
+            transaction.changed([TRIALS_KEY, samples_key(seq)])
             return seq
 
-        seq = await self.db.run_write(write)
-        self.feed.wake([TRIALS_KEY, samples_key(seq)])
-        return seq
+        return await self.db.write(write, self.feed)
 
     async def get_trials(self, trial_ids: Sequence[str]) -> dict[str, TrialRecord]:
         found: dict[str, TrialRecord] = {}
@@ -243,7 +206,7 @@ class DatastoreStore:
         Returns the `trial_seq` of those deleted."""
         keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
 
-        def write(connection: Connection) -> list[int]:
+        def write(transaction: Transaction) -> list[int]:
             deleted: list[int] = []
             for start in range(0, len(keys), KEYS_PER_STATEMENT):
                 statement = (
@@ -251,13 +214,11 @@ class DatastoreStore:
                     .where(trials.c.trial_key.in_(keys[start : start + KEYS_PER_STATEMENT]))
                     .returning(trials.c.trial_seq)
                 )
-                deleted.extend(int(seq) for seq in connection.execute(statement).scalars())
-            self.feed.notify(connection, [samples_key(seq) for seq in deleted])
+                deleted.extend(int(seq) for seq in transaction.execute(statement).scalars())
+            transaction.changed(samples_key(seq) for seq in deleted)
             return deleted
 
-        deleted = await self.db.run_write(write)
-        self.feed.wake([samples_key(seq) for seq in deleted])
-        return deleted
+        return await self.db.write(write, self.feed)
 
     # ---- samples ----
 
@@ -265,9 +226,9 @@ class DatastoreStore:
         """Store every append in one transaction. Returns, per append, the number of its first
         sample in the trial, or None if the trial no longer exists (its samples are dropped)."""
 
-        def write(connection: Connection) -> list[int | None]:
+        def write(transaction: Transaction) -> list[int | None]:
             firsts: list[int | None] = []
-            cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            cursor = transaction.connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
                 for append in appends:
                     added = len(append.samples)
@@ -288,12 +249,10 @@ class DatastoreStore:
                     firsts.append(first)
             finally:
                 cursor.close()
-            self.feed.notify(connection, [samples_key(append.trial_seq) for append in appends])
+            transaction.changed(samples_key(append.trial_seq) for append in appends)
             return firsts
 
-        firsts = await self.db.run_write(write)
-        self.feed.wake([samples_key(append.trial_seq) for append in appends])
-        return firsts
+        return await self.db.write(write, self.feed)
 
     async def read_samples(self, trial_seq: int, first: int, limit: int) -> list[bytes]:
         rows = await self.db.fetch(_READ_SAMPLES, {"seq": trial_seq, "first": first, "limit": limit})

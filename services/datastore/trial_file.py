@@ -1,5 +1,5 @@
 """The trial export file of `cogment client datastore export|import`, byte-compatible with the
-reference CLI's (reference-behaviour.md section 4.6, wire-compat.md "Export file format").
+reference CLI's (docs/compatibility.md#export-file).
 
 Layout: the 16 ASCII bytes `COGMENTTRIALS001`, a length-prefixed `TrialSamplesFileHeader`, then
 length-prefixed `StoredTrialSample`s until the end of the file. Each prefix is the serialized

@@ -5,18 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from services.directory.service import OPTIONS, DirectoryService
+from services.directory.service import DirectoryService
 from shared.server import run_service_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service_main(
-        OPTIONS,
-        DirectoryService,
-        argv,
-        prog="python -m services.directory",
-        description="Cogment Directory: service registration, discovery and health checking.",
-    )
+    return run_service_main(DirectoryService, argv)
 
 
 if __name__ == "__main__":

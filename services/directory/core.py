@@ -16,6 +16,7 @@ from services.directory.health import HealthChecker
 from services.directory.model import COGMENT, CheckTarget, Entry, Inquiry, Registration
 from services.directory.store import DirectoryStore
 from shared.digest import sha256_hex
+from shared.errors import NotFound, PermissionDenied
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
 
@@ -31,10 +32,6 @@ registrations_total = Counter(
 deregistrations_total = Counter(
     "cogment_directory_deregistrations_total", "Deregistrations by outcome.", ["outcome"]
 )
-
-
-class DeregistrationError(Exception):
-    pass
 
 
 def derive_secret(key: bytes, service_id: int, nonce: str) -> str:
@@ -88,7 +85,7 @@ class Directory:
         credentials = await self._store.credentials(service_id)
         if credentials is None:
             deregistrations_total.labels("unknown").inc()
-            raise DeregistrationError(
+            raise NotFound(
                 f"Failed to deregister service ID [{service_id}]: Unknown service ID [{service_id}]"
             )
         token_digest, nonce = credentials
@@ -97,9 +94,7 @@ class Directory:
         secret_ok = hmac.compare_digest(expected.encode(), secret.encode("utf-8", "surrogatepass"))
         if not (token_ok and secret_ok):
             deregistrations_total.labels("refused").inc()
-            raise DeregistrationError(
-                f"Failed to deregister service ID [{service_id}]: Authentication failure"
-            )
+            raise PermissionDenied(f"Failed to deregister service ID [{service_id}]: Authentication failure")
         await self._store.remove(service_id)
         deregistrations_total.labels("removed").inc()
         log.debug("deregistered", service_id=service_id)
@@ -158,6 +153,3 @@ class Directory:
         kept = [entry for entry in serviceable if entry.load <= lowest + ACCEPTABLE_LOAD_RANGE]
         random.shuffle(kept)
         return kept
-
-    async def entry_counts(self) -> tuple[int, int]:
-        return await self._store.count_healthy()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Gauge
@@ -18,7 +18,9 @@ from shared.api import directory_pb2, directory_pb2_grpc
 from shared.config import Option, non_negative_int, parse_bool, positive_float
 from shared.db import Database
 from shared.logging import get_logger
-from shared.server import Service, ServiceRuntime, database_url, service_options
+from shared.runtime import ServiceRuntime
+from shared.server import Service
+from shared.settings import ServerSettings, server_options
 
 DEFAULT_PORT = 9005
 ENV_PREFIX = "COGMENT_DIRECTORY"
@@ -27,7 +29,7 @@ MAINTENANCE_PERIOD_S = 5.0
 STATISTICS_DRIFT = 0.2
 
 OPTIONS: list[Option] = [
-    *service_options(ENV_PREFIX, DEFAULT_PORT),
+    *server_options(ENV_PREFIX, DEFAULT_PORT),
     Option(
         "registration_lag",
         "seconds an inquiry with no match keeps retrying (once a second)",
@@ -72,18 +74,34 @@ OPTIONS: list[Option] = [
     ),
 ]
 
+
+@dataclass(frozen=True)
+class DirectorySettings(ServerSettings):
+    """The values of OPTIONS."""
+
+    registration_lag: int
+    load_balancing: bool
+    check_on_inquire: bool
+    force_permanent: bool
+    health_check_interval: float
+    secret_key: str | None
+
+
 log = get_logger("directory")
 entries_gauge = Gauge("cogment_directory_entries", "Registered entries, by health.", ["health"])
 
 
-class DirectoryService(Service):
+class DirectoryService(Service[DirectorySettings]):
     name = "directory"
+    settings_type = DirectorySettings
+    options = OPTIONS
+    description = "Cogment Directory: service registration, discovery and health checking."
 
-    def __init__(self, values: dict[str, Any]) -> None:
-        super().__init__(values)
-        self.database = Database(database_url(values, "directory"))
+    def __init__(self, settings: DirectorySettings) -> None:
+        super().__init__(settings)
+        self.database = Database(settings.database_url_of("directory"))
         self.store = DirectoryStore(self.database)
-        self.checker = HealthChecker(self.store, values["health_check_interval"])
+        self.checker = HealthChecker(self.store, settings.health_check_interval)
         self._maintenance_task: asyncio.Task[None] | None = None
         self.directory: Directory | None = None
 
@@ -94,15 +112,15 @@ class DirectoryService(Service):
     async def start(self, runtime: ServiceRuntime) -> None:
         log.info("opening database", database=self.database.display_url)
         await self.database.migrate()
-        values = self.values
+        settings = self.settings
         directory = Directory(
             self.store,
             self.checker,
-            await self.store.secret_key(values["secret_key"]),
-            force_permanent=values["force_permanent"],
-            load_balancing=values["load_balancing"],
-            check_on_inquire=values["check_on_inquire"],
-            registration_lag_s=values["registration_lag"],
+            await self.store.secret_key(settings.secret_key),
+            force_permanent=settings.force_permanent,
+            load_balancing=settings.load_balancing,
+            check_on_inquire=settings.check_on_inquire,
+            registration_lag_s=settings.registration_lag,
         )
         self.directory = directory
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-
-from services.directory.core import DeregistrationError, Directory
+from services.directory.core import Directory
 from services.directory.model import (
     UNKNOWN_SERVICE,
     VALID_PROTOCOLS,
@@ -19,8 +17,10 @@ from services.directory.model import (
     Registration,
 )
 from shared.api import directory_pb2, directory_pb2_grpc
+from shared.errors import InvalidArgument, ServiceError
 from shared.logging import get_logger
-from shared.server import ServiceRuntime, VersionStatusMixin
+from shared.runtime import ServiceRuntime, VersionStatusMixin
+from shared.validation import checked_text
 
 TOKEN_METADATA_KEY = "authentication-token"
 # Reserved property of discovery URLs; the orchestrator moves it to the metadata, the Python SDK
@@ -31,10 +31,6 @@ MAX_PORT = 65535
 log = get_logger("directory.grpc")
 
 
-class InvalidRequest(Exception):
-    pass
-
-
 def authentication_token(context: Any) -> str:
     """The `authentication-token` metadata value (absent = empty token)."""
     for key, value in context.invocation_metadata() or ():
@@ -43,30 +39,24 @@ def authentication_token(context: Any) -> str:
     return ""
 
 
-def _check_text(what: str, value: str) -> None:
-    # Text columns (PostgreSQL in particular) cannot hold NUL characters.
-    if "\x00" in value:
-        raise InvalidRequest(f"Invalid {what}: NUL characters are not allowed")
-
-
 def registration_from_request(request: directory_pb2.RegisterRequest) -> Registration:
     if not request.HasField("endpoint"):
-        raise InvalidRequest("Missing endpoint")
+        raise InvalidArgument("Missing endpoint")
     if not request.HasField("details"):
-        raise InvalidRequest("Missing details")
+        raise InvalidArgument("Missing details")
     endpoint, details = request.endpoint, request.details
     if not endpoint.host:
-        raise InvalidRequest("Empty host")
-    _check_text("host", endpoint.host)
+        raise InvalidArgument("Empty host")
+    checked_text(endpoint.host, "host")
     if endpoint.protocol not in VALID_PROTOCOLS:
-        raise InvalidRequest(f"Invalid protocol [{endpoint.protocol}]")
+        raise InvalidArgument(f"Invalid protocol [{endpoint.protocol}]")
     if endpoint.port > MAX_PORT:
-        raise InvalidRequest(f"Invalid port [{endpoint.port}]")
+        raise InvalidArgument(f"Invalid port [{endpoint.port}]")
     if details.type not in VALID_SERVICE_TYPES:
-        raise InvalidRequest(f"Invalid service type [{details.type}]")
+        raise InvalidArgument(f"Invalid service type [{details.type}]")
     for name, value in details.properties.items():
-        _check_text(f"property name [{name!r}]", name)
-        _check_text(f"value of property [{name}]", value)
+        checked_text(name, f"property name [{name!r}]")
+        checked_text(value, f"value of property [{name}]")
     return Registration(
         endpoint=Endpoint(endpoint.protocol, endpoint.host, endpoint.port),
         service_type=details.type,
@@ -82,11 +72,11 @@ def inquiry_from_request(request: directory_pb2.InquireRequest, token: str) -> t
         return Inquiry(service_id=request.service_id), token
     if which == "details":
         if request.details.type != UNKNOWN_SERVICE and request.details.type not in VALID_SERVICE_TYPES:
-            raise InvalidRequest(f"Invalid service type [{request.details.type}]")
+            raise InvalidArgument(f"Invalid service type [{request.details.type}]")
         properties = dict(request.details.properties)
         property_token = properties.pop(TOKEN_PROPERTY, "")
         return Inquiry(service_type=request.details.type, properties=properties), token or property_token
-    raise InvalidRequest("Empty request: set either service_id or details")
+    raise InvalidArgument("Empty request: set either service_id or details")
 
 
 def full_service_data(entry: Entry) -> directory_pb2.FullServiceData:
@@ -115,10 +105,12 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
     ) -> AsyncIterator[directory_pb2.RegisterReply]:
         token = authentication_token(context)
         async for request in request_iterator:
+            # Failures are FAILED replies, not statuses: the stream stays usable, as clients expect
+            # (docs/compatibility.md#directory).
             try:
                 registration = registration_from_request(request)
                 service_id, secret = await self.directory.register(registration, token)
-            except InvalidRequest as error:
+            except ServiceError as error:
                 yield directory_pb2.RegisterReply(
                     status=directory_pb2.RegisterReply.FAILED, error_msg=str(error)
                 )
@@ -139,9 +131,10 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
     ) -> AsyncIterator[directory_pb2.DeregisterReply]:
         token = authentication_token(context)
         async for request in request_iterator:
+            # Failures are FAILED replies, as for Register.
             try:
                 await self.directory.deregister(request.service_id, request.secret, token)
-            except DeregistrationError as error:
+            except ServiceError as error:
                 yield directory_pb2.DeregisterReply(
                     status=directory_pb2.DeregisterReply.FAILED, error_msg=str(error)
                 )
@@ -159,10 +152,6 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
     async def Inquire(
         self, request: directory_pb2.InquireRequest, context: Any
     ) -> AsyncIterator[directory_pb2.InquireReply]:
-        try:
-            inquiry, token = inquiry_from_request(request, authentication_token(context))
-        except InvalidRequest as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            return
+        inquiry, token = inquiry_from_request(request, authentication_token(context))
         for entry in await self.directory.inquire(inquiry, token):
             yield directory_pb2.InquireReply(data=full_service_data(entry))

@@ -26,8 +26,6 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from services.directory.model import (
@@ -40,7 +38,7 @@ from services.directory.model import (
     Inquiry,
     Registration,
 )
-from shared.db import Database
+from shared.db import Database, Transaction
 from shared.digest import pair_digest, sha256_hex
 from shared.schema import directory_service_properties as properties_table
 from shared.schema import directory_services as services
@@ -223,17 +221,19 @@ class DirectoryStore:
         shared by every replica through the database."""
         if configured:
             return configured.encode("utf-8")
-        async with self.db.write() as connection:
-            generated = secrets.token_urlsafe(32)
-            await connection.execute(self._insert_ignore_setting(SECRET_KEY_SETTING, generated))
-            stored = await connection.scalar(
+        insert_once = (
+            self.db.insert(settings)
+            .values(name=SECRET_KEY_SETTING, value=secrets.token_urlsafe(32))
+            .on_conflict_do_nothing()
+        )
+
+        def write(transaction: Transaction) -> Any:
+            transaction.execute(insert_once)
+            return transaction.connection.scalar(
                 select(settings.c.value).where(settings.c.name == SECRET_KEY_SETTING)
             )
-        return str(stored).encode("utf-8")
 
-    def _insert_ignore_setting(self, name: str, value: str) -> Any:
-        dialect = postgresql if self.db.is_postgresql else sqlite
-        return dialect.insert(settings).values(name=name, value=value).on_conflict_do_nothing()
+        return str(await self.db.write(write)).encode("utf-8")
 
     async def add(self, registration: Registration, token_digest: str, now_ns: int) -> tuple[int, str, bool]:
         """Store a registration; returns (service id, secret nonce, created).
@@ -285,7 +285,7 @@ class DirectoryStore:
     async def _add_batch(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
         upsert_permanent = self._upsert_permanent
 
-        def write(connection: Connection) -> list[tuple[int, str, bool]]:
+        def write(transaction: Transaction) -> list[tuple[int, str, bool]]:
             results: list[tuple[int, str, bool]] = []
             new_rows: list[dict[str, Any]] = []
             new_properties: list[dict[str, Any]] = []
@@ -293,7 +293,7 @@ class DirectoryStore:
                 row = _service_row(pending.registration, pending.token_digest, pending.now_ns)
                 if pending.registration.permanent:
                     # One at a time, in order: a later identical registration updates this one.
-                    stored_id, stored_nonce = connection.execute(upsert_permanent, row).one()
+                    stored_id, stored_nonce = transaction.execute(upsert_permanent, row).one()
                 else:
                     new_rows.append(row)
                     stored_id, stored_nonce = row["service_id"], row["secret_nonce"]
@@ -310,19 +310,18 @@ class DirectoryStore:
                     ]
                 results.append((int(stored_id), str(stored_nonce), created))
             if new_rows:
-                connection.execute(insert(services), new_rows)
+                transaction.execute(insert(services), new_rows)
             if new_properties:
-                connection.execute(insert(properties_table), new_properties)
+                transaction.execute(insert(properties_table), new_properties)
             return results
 
-        return await self.db.run_write(write)
+        return await self.db.write(write)
 
     @functools.cached_property
     def _upsert_permanent(self) -> Any:
         """Insert a permanent entry, or update the permanent entry with the same identity."""
-        dialect: Any = postgresql if self.db.is_postgresql else sqlite
         predicate = text("permanent") if self.db.is_postgresql else text("permanent = 1")
-        statement = dialect.insert(services)
+        statement = self.db.insert(services)
         return statement.on_conflict_do_update(
             index_elements=[services.c.token_digest, services.c.service_type, services.c.properties_digest],
             index_where=predicate,
@@ -347,9 +346,8 @@ class DirectoryStore:
         return (rows[0][0], rows[0][1]) if rows else None
 
     async def remove(self, service_id: int) -> bool:
-        async with self.db.write() as connection:
-            result = await connection.execute(delete(services).where(services.c.service_id == service_id))
-        return bool(result.rowcount)
+        statement = delete(services).where(services.c.service_id == service_id)
+        return await self.db.write(lambda transaction: bool(transaction.execute(statement).rowcount))
 
     async def find(self, inquiry: Inquiry, token_digest: str) -> list[Entry]:
         """Healthy entries visible with this token that match the inquiry, most recent first."""
@@ -410,9 +408,7 @@ class DirectoryStore:
 
     async def refresh_statistics(self) -> None:
         """Have PostgreSQL re-read the directory tables' statistics (its plans depend on them)."""
-        async with self.db.engine.connect() as connection:
-            connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
-            await connection.execute(text(f"ANALYZE {services.name}, {properties_table.name}"))
+        await self.db.fetch(text(f"ANALYZE {services.name}, {properties_table.name}"))
 
     async def claim_due_checks(self, now_ns: int, lease_ns: int, limit: int) -> list[CheckTarget]:
         """Take up to `limit` entries due for a health check, for `lease_ns`.
@@ -445,8 +441,7 @@ class DirectoryStore:
                 services.c.load,
             )
         )
-        async with self.db.write() as connection:
-            rows = (await connection.execute(statement)).all()
+        rows = await self.db.write(lambda transaction: transaction.execute(statement).all())
         return [
             CheckTarget(
                 row.service_id,
@@ -467,8 +462,9 @@ class DirectoryStore:
     ) -> list[int]:
         """Store check outcomes and release the claims; returns the ids removed for failing
         `max_failed_checks` checks in a row."""
-        removed: list[int] = []
-        async with self.db.write() as connection:
+
+        def write(transaction: Transaction) -> list[int]:
+            removed: list[int] = []
             for target, result in results:
                 values: dict[str, Any] = {
                     "last_check_at": now_ns,
@@ -483,15 +479,15 @@ class DirectoryStore:
                     # Counted in SQL: two checks of one entry (periodic and at inquiry) may overlap.
                     values["failed_checks"] = services.c.failed_checks + 1
                     values["load"] = 255
-                failed = await connection.scalar(
+                failed = transaction.connection.scalar(
                     update(services)
                     .where(services.c.service_id == target.service_id)
                     .values(values)
                     .returning(services.c.failed_checks)
                 )
                 if failed is not None and failed >= max_failed_checks:
-                    await connection.execute(
-                        delete(services).where(services.c.service_id == target.service_id)
-                    )
+                    transaction.execute(delete(services).where(services.c.service_id == target.service_id))
                     removed.append(target.service_id)
-        return removed
+            return removed
+
+        return await self.db.write(write)

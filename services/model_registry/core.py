@@ -16,19 +16,14 @@ import functools
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 from services.model_registry.blobstore import BlobStore, BlobStoreError
 from services.model_registry.hot_versions import HotVersions
-from services.model_registry.store import (
-    ModelInfo,
-    RegistryStore,
-    VersionInfo,
-    VersionRecord,
-    model_changes_key,
-    model_key,
-)
+from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo, VersionRecord
+from services.model_registry.store import RegistryStore, model_changes_key, model_key
+from shared.errors import InvalidArgument, NotFound
 from shared.logging import get_logger
+from shared.validation import MAX_INT32_POSITION, parse_handle, quoted
 
 # Downloads of a deleted or evicted version get this long to finish before its blob goes.
 GARBAGE_GRACE_S = 60.0
@@ -40,51 +35,9 @@ GARBAGE_BATCH = 100
 log = get_logger("model_registry.core")
 
 
-class RegistryError(Exception):
-    pass
-
-
-class NotFound(RegistryError):
-    pass
-
-
-class InvalidRequest(RegistryError):
-    pass
-
-
-@dataclass(frozen=True)
-class VersionHeader:
-    """What a CreateVersion header asks for."""
-
-    model_id: str
-    archived: bool
-    data_size: int
-    data_hash: str
-    user_data: dict[str, str]
-    creation_timestamp: int
-
-
 # Offsets, numbers and counts beyond this are past the end of anything stored (and would overflow
-# a 32-bit SQL integer on PostgreSQL): they are clamped here.
-MAX_POSITION = 2**31 - 1
-# Client input quoted in an error message is cut: gRPC refuses trailers over 8 KiB.
-QUOTE_LIMIT = 200
-
-
-def quoted(text: str) -> str:
-    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT] + "…"
-
-
-def parse_handle(handle: str, field: str) -> int:
-    """Handles are decimal numbers (empty = 0), as in the reference."""
-    if not handle:
-        return 0
-    if not (handle.isascii() and handle.isdecimal()):
-        raise InvalidRequest(
-            f"Invalid value for `{field}` [{quoted(handle)}]: expected a non-negative integer"
-        )
-    digits = handle.lstrip("0") or "0"
-    return MAX_POSITION if len(digits) > 10 else min(int(digits), MAX_POSITION)
+# a 32-bit SQL integer on PostgreSQL): they are clamped to it.
+MAX_POSITION = MAX_INT32_POSITION
 
 
 def clamp_count(count: int) -> int | None:
@@ -132,7 +85,7 @@ class ModelRegistry:
     async def retrieve_models(
         self, model_ids: Sequence[str], count: int, handle: str
     ) -> tuple[list[ModelInfo], str]:
-        offset = parse_handle(handle, "model_handle")
+        offset = parse_handle(handle, "model_handle", MAX_POSITION)
         limit = clamp_count(count)
         if not model_ids:
             models = await self._store.list_models(offset, limit)
@@ -159,20 +112,20 @@ class ModelRegistry:
             async for chunk in chunks:
                 received += len(chunk)
                 if received > header.data_size:
-                    raise InvalidRequest(
+                    raise InvalidArgument(
                         f"received more data than expected: expected {header.data_size} bytes, "
                         f"received at least {received} bytes"
                     )
                 await upload.write(chunk)
             if received != header.data_size:
-                raise InvalidRequest(
+                raise InvalidArgument(
                     "stream ended while having not received the expected data, "
                     f"expected {header.data_size} bytes, received {received} bytes"
                 )
             size, data_hash = await upload.commit()
         if header.data_hash and header.data_hash != data_hash:
             await self._discard(blob_key)
-            raise InvalidRequest(
+            raise InvalidArgument(
                 f'received data did not match the expected hash, expected "{quoted(header.data_hash)}", '
                 f'received "{data_hash}"'
             )
@@ -223,7 +176,7 @@ class ModelRegistry:
     async def retrieve_version_infos(
         self, model_id: str, numbers: Sequence[int], count: int, handle: str
     ) -> tuple[list[VersionInfo], str]:
-        start = parse_handle(handle, "version_handle")
+        start = parse_handle(handle, "version_handle", MAX_POSITION)
         limit = clamp_count(count)
         if numbers:
             # As the reference: the handle is an offset into the requested numbers.

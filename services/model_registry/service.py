@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -18,8 +18,10 @@ from shared.config import Option, non_negative_int, parse_bool
 from shared.db import Database
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
-from shared.registration import DirectoryRegistration, registration_options
-from shared.server import Service, ServiceRuntime, database_url, service_options
+from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
+from shared.runtime import ServiceRuntime
+from shared.server import Service
+from shared.settings import ServerSettings, server_options
 
 DEFAULT_PORT = 9002
 ENV_PREFIX = "COGMENT_MODEL_REGISTRY"
@@ -36,7 +38,7 @@ def chunk_size(text: str) -> int:
 
 
 OPTIONS: list[Option] = [
-    *service_options(ENV_PREFIX, DEFAULT_PORT),
+    *server_options(ENV_PREFIX, DEFAULT_PORT),
     Option("archive_dir", "directory of the version data when no S3 endpoint is set "
            "(default: model_registry/ in the data directory)", None, f"{ENV_PREFIX}_ARCHIVE_DIR"),
     Option("cache_max_items", "transient (non-archived) versions kept, least recently used evicted first",
@@ -58,40 +60,66 @@ OPTIONS: list[Option] = [
     *registration_options("MODEL_REGISTRY"),
 ]  # fmt: skip
 
+
+@dataclass(frozen=True)
+class ModelRegistrySettings(ServerSettings, RegistrationSettings):
+    """The values of OPTIONS."""
+
+    archive_dir: str | None
+    cache_max_items: int
+    sent_version_chunk_size: int
+    data_cache_bytes: int
+    s3_endpoint: str | None
+    s3_bucket: str
+    s3_prefix: str
+    s3_access_key: str | None
+    s3_secret_key: str | None
+    s3_region: str | None
+    s3_secure: bool
+
+
 log = get_logger("model_registry")
 
 
-def blob_store(values: dict[str, Any]) -> BlobStore:
-    if values["s3_endpoint"]:
+def blob_store(settings: ModelRegistrySettings) -> BlobStore:
+    if settings.s3_endpoint:
         return S3BlobStore(
-            values["s3_endpoint"],
-            values["s3_access_key"],
-            values["s3_secret_key"],
-            values["s3_bucket"],
-            secure=values["s3_secure"],
-            region=values["s3_region"],
-            prefix=values["s3_prefix"],
+            settings.s3_endpoint,
+            settings.s3_access_key,
+            settings.s3_secret_key,
+            settings.s3_bucket,
+            secure=settings.s3_secure,
+            region=settings.s3_region,
+            prefix=settings.s3_prefix,
         )
-    return LocalBlobStore(Path(values["archive_dir"] or Path(values["data_dir"]) / "model_registry"))
+    return LocalBlobStore(Path(settings.archive_dir or Path(settings.data_dir) / "model_registry"))
 
 
-class ModelRegistryService(Service):
+class ModelRegistryService(Service[ModelRegistrySettings]):
     name = "model_registry"
+    settings_type = ModelRegistrySettings
+    options = OPTIONS
+    description = "Cogment Model Registry: models and their versions, data in a local directory or S3."
 
-    def __init__(self, values: dict[str, Any]) -> None:
-        super().__init__(values)
-        self.database = Database(database_url(values, "model_registry"))
+    def __init__(self, settings: ModelRegistrySettings) -> None:
+        super().__init__(settings)
+        self.database = Database(settings.database_url_of("model_registry"))
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = RegistryStore(self.database, self.feed)
-        self.blobs = blob_store(values)
+        self.blobs = blob_store(settings)
         self.registry = ModelRegistry(
             self.store,
             self.blobs,
-            cache_max_items=values["cache_max_items"],
-            chunk_size=values["sent_version_chunk_size"],
-            data_cache_bytes=values["data_cache_bytes"],
+            cache_max_items=settings.cache_max_items,
+            chunk_size=settings.sent_version_chunk_size,
+            data_cache_bytes=settings.data_cache_bytes,
         )
-        self.registration = DirectoryRegistration.from_values(values, [directory_pb2.MODEL_REGISTRY_SERVICE])
+        self.registration = DirectoryRegistration.from_settings(
+            settings,
+            [directory_pb2.MODEL_REGISTRY_SERVICE],
+            bind_address=settings.bind_address,
+            ssl=bool(settings.tls_cert),
+        )
 
     @property
     def grpc_service_names(self) -> Sequence[str]:

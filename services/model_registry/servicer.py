@@ -1,5 +1,5 @@
-"""The Model Registry's gRPC layer: validates requests, translates them for the core, and maps
-its errors to the reference's status codes."""
+"""The Model Registry's gRPC layer: validates requests and translates them for the core (errors
+become statuses in the shared call observer, see shared/errors.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ from typing import Any
 
 import grpc
 
-from services.model_registry.core import InvalidRequest, ModelRegistry, NotFound, RegistryError, VersionHeader
-from services.model_registry.store import VersionInfo
+from services.model_registry.core import ModelRegistry
+from services.model_registry.model import VersionHeader, VersionInfo
 from shared.api import model_registry_pb2
-from shared.server import ServiceRuntime, VersionStatusMixin, add_servicer, field_one_frame, pre_encoded
+from shared.errors import InvalidArgument, NotFound
+from shared.handlers import add_servicer, field_one_frame, pre_encoded
+from shared.runtime import ServiceRuntime, VersionStatusMixin
+from shared.validation import checked_id, checked_text
 
 # Timestamps are stored as signed 64-bit integers (nanoseconds: until the year 2262).
 MAX_TIMESTAMP = 2**63 - 1
-STATUS_BY_ERROR: dict[type[RegistryError], grpc.StatusCode] = {
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-}
 
 
 def version_info_message(info: VersionInfo) -> model_registry_pb2.ModelVersionInfo:
@@ -48,22 +47,15 @@ def add_model_registry_servicer(server: grpc.aio.Server, servicer: ModelRegistry
 
 
 def _model_id(model_id: str) -> str:
-    if not model_id:
-        raise InvalidRequest("empty model id")
-    if "\x00" in model_id:
-        raise InvalidRequest("model ids cannot contain NUL characters")
-    return model_id
+    return checked_id(model_id, "model id")
 
 
 def _user_data(user_data: Any) -> dict[str, str]:
     data = dict(user_data)
-    if any("\x00" in text for pair in data.items() for text in pair):
-        raise InvalidRequest("user data cannot contain NUL characters")
+    for name, value in data.items():
+        checked_text(name, "user data")
+        checked_text(value, "user data")
     return data
-
-
-async def _abort(context: Any, error: RegistryError) -> None:
-    await context.abort(STATUS_BY_ERROR.get(type(error), grpc.StatusCode.INVALID_ARGUMENT), str(error))
 
 
 async def _bodies(
@@ -71,7 +63,7 @@ async def _bodies(
 ) -> AsyncIterator[bytes]:
     async for request in requests:
         if request.WhichOneof("msg") != "body":
-            raise InvalidRequest("subsequent request chunk do not include a Body")
+            raise InvalidArgument("subsequent request chunk do not include a Body")
         yield request.body.data_chunk
 
 
@@ -86,33 +78,24 @@ class ModelRegistryServicer(VersionStatusMixin):
     async def CreateOrUpdateModel(
         self, request: model_registry_pb2.CreateOrUpdateModelRequest, context: Any
     ) -> model_registry_pb2.CreateOrUpdateModelReply:
-        try:
-            if not request.HasField("model_info"):
-                raise InvalidRequest("missing model_info")
-            info = request.model_info
-            await self.registry.create_or_update_model(_model_id(info.model_id), _user_data(info.user_data))
-        except RegistryError as error:
-            await _abort(context, error)
+        if not request.HasField("model_info"):
+            raise InvalidArgument("missing model_info")
+        info = request.model_info
+        await self.registry.create_or_update_model(_model_id(info.model_id), _user_data(info.user_data))
         return model_registry_pb2.CreateOrUpdateModelReply()
 
     async def DeleteModel(
         self, request: model_registry_pb2.DeleteModelRequest, context: Any
     ) -> model_registry_pb2.DeleteModelReply:
-        try:
-            await self.registry.delete_model(_model_id(request.model_id))
-        except RegistryError as error:
-            await _abort(context, error)
+        await self.registry.delete_model(_model_id(request.model_id))
         return model_registry_pb2.DeleteModelReply()
 
     async def RetrieveModels(
         self, request: model_registry_pb2.RetrieveModelsRequest, context: Any
     ) -> model_registry_pb2.RetrieveModelsReply:
-        try:
-            models, handle = await self.registry.retrieve_models(
-                list(request.model_ids), request.models_count, request.model_handle
-            )
-        except RegistryError as error:
-            await _abort(context, error)
+        models, handle = await self.registry.retrieve_models(
+            list(request.model_ids), request.models_count, request.model_handle
+        )
         return model_registry_pb2.RetrieveModelsReply(
             model_infos=[
                 model_registry_pb2.ModelInfo(model_id=m.model_id, user_data=m.user_data) for m in models
@@ -123,44 +106,38 @@ class ModelRegistryServicer(VersionStatusMixin):
     async def CreateVersion(
         self, request_iterator: AsyncIterator[model_registry_pb2.CreateVersionRequestChunk], context: Any
     ) -> model_registry_pb2.CreateVersionReply:
-        try:
-            first = await anext(request_iterator, None)
-            if first is None:
-                raise InvalidRequest("empty request")
-            if first.WhichOneof("msg") != "header":
-                raise InvalidRequest("first request chunk does not include a Header")
-            if not first.header.HasField("version_info"):
-                raise InvalidRequest("the Header has no version_info")
-            info = first.header.version_info
-            if info.creation_timestamp > MAX_TIMESTAMP:
-                raise InvalidRequest(
-                    f"creation_timestamp {info.creation_timestamp} is out of range (ns since 1970)"
-                )
-            header = VersionHeader(
-                model_id=_model_id(info.model_id),
-                archived=info.archived,
-                data_size=info.data_size,
-                data_hash=info.data_hash,
-                user_data=_user_data(info.user_data),
-                creation_timestamp=info.creation_timestamp,
+        first = await anext(request_iterator, None)
+        if first is None:
+            raise InvalidArgument("empty request")
+        if first.WhichOneof("msg") != "header":
+            raise InvalidArgument("first request chunk does not include a Header")
+        if not first.header.HasField("version_info"):
+            raise InvalidArgument("the Header has no version_info")
+        info = first.header.version_info
+        if info.creation_timestamp > MAX_TIMESTAMP:
+            raise InvalidArgument(
+                f"creation_timestamp {info.creation_timestamp} is out of range (ns since 1970)"
             )
-            created = await self.registry.create_version(header, _bodies(request_iterator))
-        except RegistryError as error:
-            await _abort(context, error)
+        header = VersionHeader(
+            model_id=_model_id(info.model_id),
+            archived=info.archived,
+            data_size=info.data_size,
+            data_hash=info.data_hash,
+            user_data=_user_data(info.user_data),
+            creation_timestamp=info.creation_timestamp,
+        )
+        created = await self.registry.create_version(header, _bodies(request_iterator))
         return model_registry_pb2.CreateVersionReply(version_info=version_info_message(created))
 
     async def RetrieveVersionInfos(
         self, request: model_registry_pb2.RetrieveVersionInfosRequest, context: Any
     ) -> model_registry_pb2.RetrieveVersionInfosReply:
-        try:
-            infos, handle = await self.registry.retrieve_version_infos(
-                _model_id(request.model_id),
-                list(request.version_numbers),
-                request.versions_count,
-                request.version_handle,
-            )
-        except RegistryError as error:
-            await _abort(context, error)
+        infos, handle = await self.registry.retrieve_version_infos(
+            _model_id(request.model_id),
+            list(request.version_numbers),
+            request.versions_count,
+            request.version_handle,
+        )
         return model_registry_pb2.RetrieveVersionInfosReply(
             version_infos=[version_info_message(info) for info in infos], next_version_handle=handle
         )
@@ -169,10 +146,7 @@ class ModelRegistryServicer(VersionStatusMixin):
         self, request: model_registry_pb2.RetrieveVersionDataRequest, context: Any
     ) -> AsyncIterator[bytes]:
         """Yields encoded RetrieveVersionDataReplyChunk messages (see `data_chunk_frame`)."""
-        try:
-            record = await self.registry.resolve(_model_id(request.model_id), request.version_number)
-        except RegistryError as error:
-            await _abort(context, error)
+        record = await self.registry.resolve(_model_id(request.model_id), request.version_number)
         async for chunk in self.registry.version_data(record):
             yield data_chunk_frame(chunk)
 
@@ -184,7 +158,6 @@ class ModelRegistryServicer(VersionStatusMixin):
             async for info in updates:
                 yield model_registry_pb2.VersionUpdateReply(version_info=version_info_message(info))
         except NotFound as error:
-            # As the reference (and what the SDK expects): an unknown model is INVALID_ARGUMENT here.
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except RegistryError as error:
-            await _abort(context, error)
+            # An unknown model is INVALID_ARGUMENT here, as the SDK expects
+            # (docs/compatibility.md#model-registry).
+            raise InvalidArgument(str(error)) from error

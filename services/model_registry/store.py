@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Integer, bindparam, delete, false, func, insert, select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection
 
-from shared.db import Database
+from services.model_registry.model import ModelInfo, VersionInfo, VersionRecord
+from shared.db import Database, Transaction
 from shared.digest import sha256_hex
 from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage as garbage
@@ -36,29 +34,6 @@ def model_key(model_id: str) -> str:
 def _canonical_json(user_data: dict[str, str]) -> str:
     # dict(): a protobuf map (not a dict) serializes too.
     return json.dumps(dict(user_data), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-@dataclass
-class ModelInfo:
-    model_id: str
-    user_data: dict[str, str]
-
-
-@dataclass
-class VersionInfo:
-    model_id: str
-    version_number: int
-    creation_timestamp: int
-    archived: bool
-    data_hash: str
-    data_size: int
-    user_data: dict[str, str]
-
-
-@dataclass
-class VersionRecord:
-    info: VersionInfo
-    blob_key: str
 
 
 _VERSION_COLUMNS = (
@@ -173,9 +148,8 @@ class RegistryStore:
     def __init__(self, database: Database, feed: ChangeFeed) -> None:
         self.db = database
         self.feed = feed
-        dialect: Any = postgresql if database.is_postgresql else sqlite
-        self._insert_garbage = dialect.insert(garbage).on_conflict_do_nothing()
-        upsert = dialect.insert(models)
+        self._insert_garbage = database.insert(garbage).on_conflict_do_nothing()
+        upsert = database.insert(models)
         self._upsert_model = upsert.on_conflict_do_update(
             index_elements=[models.c.model_key], set_={"user_data": upsert.excluded.user_data}
         )
@@ -192,7 +166,7 @@ class RegistryStore:
             "next_version": 1,
         }
         statement = self._upsert_model
-        await self.db.run_write(lambda connection: connection.execute(statement, row))
+        await self.db.write(lambda transaction: transaction.execute(statement, row))
 
     async def get_models(self, model_ids: Sequence[str]) -> dict[str, ModelInfo]:
         """The known models among `model_ids`, by id."""
@@ -218,26 +192,23 @@ class RegistryStore:
         key = model_key(model_id)
         insert_garbage = self._insert_garbage
 
-        def write(connection: Connection) -> bool:
+        def write(transaction: Transaction) -> bool:
             # The model row first: a concurrent commit_version either finished (its version is
             # deleted below) or waits and then finds no model.
-            if connection.execute(_LOCK_MODEL, {"key": key}).first() is None:
+            if transaction.execute(_LOCK_MODEL, {"key": key}).first() is None:
                 return False
             # Versions deleted explicitly (rather than by cascade) to collect their blob keys.
-            blob_keys = connection.execute(_DELETE_MODEL_VERSIONS, {"key": key}).scalars().all()
+            blob_keys = transaction.execute(_DELETE_MODEL_VERSIONS, {"key": key}).scalars().all()
             if blob_keys:
-                connection.execute(
+                transaction.execute(
                     insert_garbage,
                     [{"blob_key": blob_key, "delete_after": garbage_after_ns} for blob_key in blob_keys],
                 )
-            connection.execute(_DELETE_MODEL, {"key": key})
-            self.feed.notify(connection, [model_changes_key(model_id)])
+            transaction.execute(_DELETE_MODEL, {"key": key})
+            transaction.changed([model_changes_key(model_id)])
             return True
 
-        deleted = await self.db.run_write(write)
-        if deleted:
-            self.feed.wake([model_changes_key(model_id)])
-        return deleted
+        return await self.db.write(write, self.feed)
 
     # ---- Versions ----
 
@@ -245,7 +216,7 @@ class RegistryStore:
         """An upload starts: its blob is garbage until a version commits it."""
         statement = self._insert_garbage
         row = {"blob_key": blob_key, "delete_after": delete_after_ns}
-        await self.db.run_write(lambda connection: connection.execute(statement, row))
+        await self.db.write(lambda transaction: transaction.execute(statement, row))
 
     async def commit_version(
         self,
@@ -263,14 +234,14 @@ class RegistryStore:
         key = model_key(model_id)
         user_data_json = _canonical_json(user_data)
 
-        def write(connection: Connection) -> VersionInfo | None:
+        def write(transaction: Transaction) -> VersionInfo | None:
             # The row lock taken here serializes commits on the model across replicas (on
             # SQLite the transaction holds the write lock from BEGIN IMMEDIATE).
-            next_number = connection.execute(_TAKE_NUMBER, {"key": key}).scalar()
+            next_number = transaction.execute(_TAKE_NUMBER, {"key": key}).scalar()
             if next_number is None:
                 return None
             number = int(next_number) - 1
-            connection.execute(
+            transaction.execute(
                 _INSERT_VERSION,
                 {
                     "model_key": key,
@@ -284,8 +255,8 @@ class RegistryStore:
                     "last_used_at": now_ns,
                 },
             )
-            connection.execute(_FORGET_GARBAGE, {"key": blob_key})
-            self.feed.notify(connection, [model_changes_key(model_id)])
+            transaction.execute(_FORGET_GARBAGE, {"key": blob_key})
+            transaction.changed([model_changes_key(model_id)])
             return VersionInfo(
                 model_id=model_id,
                 version_number=number,
@@ -296,10 +267,7 @@ class RegistryStore:
                 user_data=dict(user_data),
             )
 
-        info = await self.db.run_write(write)
-        if info is not None:
-            self.feed.wake([model_changes_key(model_id)])
-        return info
+        return await self.db.write(write, self.feed)
 
     async def get_version(self, model_id: str, version_number: int) -> VersionRecord | None:
         rows = await self.db.fetch(_GET_VERSION, {"key": model_key(model_id), "number": version_number})
@@ -326,7 +294,7 @@ class RegistryStore:
     async def touch(self, model_id: str, version_number: int, now_ns: int) -> None:
         """Mark a transient version as used now (eviction takes the least recently used)."""
         parameters = {"key": model_key(model_id), "number": version_number, "now": now_ns}
-        await self.db.run_write(lambda connection: connection.execute(_TOUCH, parameters))
+        await self.db.write(lambda transaction: transaction.execute(_TOUCH, parameters))
 
     async def evict_transient(self, max_items: int, garbage_after_ns: int) -> list[tuple[str, int]]:
         """Delete the least recently used transient versions beyond `max_items` (all models
@@ -334,27 +302,27 @@ class RegistryStore:
         is_postgresql = self.db.is_postgresql
         insert_garbage = self._insert_garbage
 
-        def write(connection: Connection) -> list[tuple[str, int]]:
+        def write(transaction: Transaction) -> list[tuple[str, int]]:
             if is_postgresql:
                 # One evicting replica at a time: two would count the same excess and evict twice
                 # as many versions. Released at the end of the transaction.
-                connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": EVICTION_LOCK_ID})
-            excess = int(connection.execute(_COUNT_TRANSIENT).scalar_one()) - max(max_items, 0)
+                transaction.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": EVICTION_LOCK_ID})
+            excess = int(transaction.execute(_COUNT_TRANSIENT).scalar_one()) - max(max_items, 0)
             if excess <= 0:
                 return []
-            victims = connection.execute(_EVICTION_VICTIMS, {"count": excess}).all()
+            victims = transaction.execute(_EVICTION_VICTIMS, {"count": excess}).all()
             if not victims:
                 return []
-            connection.execute(
+            transaction.execute(
                 _DELETE_VERSION, [{"key": key, "number": number} for key, number, _, _ in victims]
             )
-            connection.execute(
+            transaction.execute(
                 insert_garbage,
                 [{"blob_key": blob_key, "delete_after": garbage_after_ns} for _, _, blob_key, _ in victims],
             )
             return [(model_id, int(number)) for _, number, _, model_id in victims]
 
-        return await self.db.run_write(write)
+        return await self.db.write(write)
 
     # ---- Garbage ----
 
@@ -363,8 +331,8 @@ class RegistryStore:
         if limit <= 0:
             return []
         parameters = {"now": now_ns, "limit": limit}
-        return await self.db.run_write(
-            lambda connection: list(connection.execute(_TAKE_GARBAGE, parameters).scalars().all())
+        return await self.db.write(
+            lambda transaction: list(transaction.execute(_TAKE_GARBAGE, parameters).scalars().all())
         )
 
     async def return_garbage(self, keys: Sequence[str], delete_after_ns: int) -> None:
@@ -373,4 +341,4 @@ class RegistryStore:
             return
         rows = [{"blob_key": key, "delete_after": delete_after_ns} for key in dict.fromkeys(keys)]
         statement = self._insert_garbage
-        await self.db.run_write(lambda connection: connection.execute(statement, rows))
+        await self.db.write(lambda transaction: transaction.execute(statement, rows))

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from shared.logging import configure_logging
-from shared.server import ObservabilityInterceptor
+from shared.observer import ObservabilityInterceptor
 
 
 async def endless(request: bytes, context: Any) -> AsyncIterator[bytes]:

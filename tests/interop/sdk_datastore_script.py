@@ -63,9 +63,9 @@ escape.
 How the SDK reads what a (reference-compatible) datastore stores -- quirks the tests pin down
 * An index of -1 (the environment, or a name that is not an actor) is used as a Python index: the SDK names
   the LAST actor of the trial as sender/receiver.
-* Received rewards' ``receiver`` and sent rewards' ``sender`` are not set by the datastore (the wire-compat
-  page: "ignored"), and the SDK reads them anyway: 0 -> actor 0's name.  This script reports them; tests do
-  not rely on them.
+* Received rewards' ``receiver`` and sent rewards' ``sender`` are not set by the datastore (ignored by
+  the 2.x API: docs/compatibility.md#datastore-conversion), and the SDK reads them anyway: 0 -> actor
+  0's name.  This script reports them; tests do not rely on them.
 * Reward user data is stored as the ``Any``'s VALUE bytes (type_url dropped, as the reference does), but the
   SDK parses it as a whole ``Any``: for a packed ``StringValue("x")`` it gives ``type_url == "x"`` and an
   empty value.  ``SerializeToString()`` of that ``Any`` gives the stored bytes back (reported as

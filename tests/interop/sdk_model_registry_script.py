@@ -21,7 +21,7 @@ Setup
 Publishing: ``publish_model(name, bytes, props)`` (archived=False) / ``store_model`` (archived=True)
 * ``model=None`` with props -> CogmentError; ``len(model) == 0`` -> CogmentError("Model is empty")
   BEFORE any call: a 0-byte version cannot be published through the public API (this script
-  uploads one with the SDK's generated stub, exactly as the wire-compat page describes it, and
+  uploads one with the SDK's generated stub, as docs/compatibility.md#model-registry describes it, and
   reads it back through the public API).  ``model=None`` only creates the model.
 * ``RetrieveModels(model_ids=[name])``: ANY error or an empty reply means "absent" -> then
   ``CreateOrUpdateModel({model_id})`` (no user data).  Then ``CreateVersion``: a header

@@ -1,0 +1,49 @@
+"""The Trial Datastore's vocabulary, shared by its gRPC layer, core, batcher and store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.api import common_pb2
+
+# A state that changes nothing in the trial (out-of-sync samples have none).
+NO_STATE = common_pb2.UNKNOWN
+ENDED = common_pb2.ENDED
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """A stored trial: `trial_seq` is its position in creation order, `params` serialized
+    TrialParams; `ended` (an ENDED sample was stored) and `closed` (its ingestion stream closed)
+    tell readers when to stop."""
+
+    trial_seq: int
+    trial_id: str
+    user_id: str
+    params: bytes
+    samples_count: int
+    last_state: int
+    ended: bool
+    closed: bool
+
+
+@dataclass(frozen=True)
+class TrialProgress:
+    """How far a trial's ingestion got."""
+
+    samples_count: int
+    ended: bool
+    closed: bool
+
+
+@dataclass(frozen=True)
+class SampleAppend:
+    """Samples of one trial to store after its current ones, and what they change in the trial."""
+
+    trial_seq: int
+    samples: list[bytes]
+    # State of the last in-sync sample that has one; None leaves the trial's state alone.
+    last_state: int | None = None
+    ended: bool = False
+    # The ingestion stream closed after these samples.
+    close: bool = False

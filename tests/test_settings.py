@@ -1,0 +1,52 @@
+"""Each service's typed settings match its option table one for one, and take the parsed values."""
+
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError, fields
+
+import pytest
+
+from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
+from services.datastore.service import DatastoreSettings
+from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
+from services.directory.service import DirectorySettings
+from services.model_registry.service import OPTIONS as MODEL_REGISTRY_OPTIONS
+from services.model_registry.service import ModelRegistrySettings
+from shared.config import Option, parse_options
+from shared.settings import Settings
+
+SERVICES = [
+    (DirectorySettings, DIRECTORY_OPTIONS),
+    (ModelRegistrySettings, MODEL_REGISTRY_OPTIONS),
+    (DatastoreSettings, DATASTORE_OPTIONS),
+]
+
+
+@pytest.mark.parametrize(
+    ("settings_type", "options"), SERVICES, ids=lambda item: getattr(item, "__name__", "")
+)
+def test_settings_fields_are_the_options(settings_type: type[Settings], options: list[Option]) -> None:
+    assert sorted(field.name for field in fields(settings_type)) == sorted(option.flag for option in options)
+
+
+@pytest.mark.parametrize(
+    ("settings_type", "options"), SERVICES, ids=lambda item: getattr(item, "__name__", "")
+)
+def test_settings_hold_the_parsed_values(settings_type: type[Settings], options: list[Option]) -> None:
+    values = parse_options(
+        options, ["--port", "1234", "--shutdown_grace", "2.5"], prog="t", description="t", environ={}
+    )
+    settings = settings_type.from_values(values)
+    assert settings.port == 1234  # type: ignore[attr-defined]
+    assert settings.shutdown_grace == 2.5  # type: ignore[attr-defined]
+    with pytest.raises(FrozenInstanceError):
+        settings.port = 1  # type: ignore[attr-defined,misc]
+
+
+def test_values_that_do_not_match_the_fields_are_refused() -> None:
+    values = parse_options(DIRECTORY_OPTIONS, [], prog="t", description="t", environ={})
+    with pytest.raises(ValueError, match=r"missing \[\], unknown \['no_such_option'\]"):
+        DirectorySettings.from_values({**values, "no_such_option": 1})
+    del values["port"]
+    with pytest.raises(ValueError, match=r"missing \['port'\], unknown \[\]"):
+        DirectorySettings.from_values(values)
