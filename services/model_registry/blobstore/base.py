@@ -28,12 +28,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+from shared.errors import DependencyError
 from shared.logging import get_logger
 
 __all__ = [
     "BlobNotFound",
     "BlobStore",
     "BlobStoreError",
+    "BlobStoreUnavailable",
     "BlobUpload",
     "InvalidBlobKey",
     "validate_key",
@@ -54,6 +56,11 @@ class BlobStoreError(Exception):
 
 class BlobNotFound(BlobStoreError):
     """No blob under this key."""
+
+
+class BlobStoreUnavailable(BlobStoreError, DependencyError):
+    """The backend could not serve the request (unreachable server, I/O error): callers answer
+    UNAVAILABLE, or RESOURCE_EXHAUSTED when the cause is a full disk (see shared.errors)."""
 
 
 class InvalidBlobKey(BlobStoreError, ValueError):
@@ -83,13 +90,13 @@ def _describe(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _backend_errors(action: str) -> Iterator[None]:
-    """Backend failures (OSError, S3Error, urllib3 errors) surface as BlobStoreError."""
+    """Backend failures (OSError, S3Error, urllib3 errors) surface as BlobStoreUnavailable."""
     try:
         yield
     except BlobStoreError:
         raise
     except Exception as error:
-        raise BlobStoreError(f"{action}: {_describe(error)}") from error
+        raise BlobStoreUnavailable(f"{action}: {_describe(error)}") from error
 
 
 def _encode_digest(hasher: Any) -> str:
