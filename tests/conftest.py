@@ -3,21 +3,23 @@ S3 (SeaweedFS), and in-process services reached over real gRPC connections."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+import secrets
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
 
-import grpc
 import pytest
 
-from services.datastore.service import DatastoreService
-from services.directory.service import DirectoryService
-from shared.api import datalog_pb2_grpc, directory_pb2_grpc, trial_datastore_pb2_grpc
-from shared.config import parse_options
-from shared.server import Service, serve
+from tests.helpers.fake_services import free_port
+from tests.helpers.running import (
+    DatastoreFactory,
+    DirectoryFactory,
+    RegistryFactory,
+    RunningDatastore,
+    RunningDirectory,
+    make_datastore_factory,
+    make_directory_factory,
+    make_registry_factory,
+)
 from tests.interop.sdk_env import SdkEnvError, ensure_sdk_python
 
 pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.seaweedfs"]
@@ -40,68 +42,10 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("postgres_url"))
 
 
-@dataclass
-class RunningDirectory:
-    service: DirectoryService
-    channel: grpc.aio.Channel
-    stub: directory_pb2_grpc.DirectorySPStub
-
-    @property
-    def port(self) -> int:
-        assert self.service.port is not None
-        return self.service.port
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-
-S = TypeVar("S", bound=Service[Any])
-
-
-@asynccontextmanager
-async def run_in_process(service: S) -> AsyncIterator[S]:
-    """Serve `service` in this event loop until the block ends."""
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(service, stop, handle_signals=False))
-    while service.port is None:
-        if task.done():
-            task.result()  # raises the start-up error
-            raise RuntimeError("service stopped before serving")
-        await asyncio.sleep(0.01)
-    try:
-        yield service
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-
-
-@asynccontextmanager
-async def serving(service_class: type[S], *flags: str) -> AsyncIterator[tuple[S, grpc.aio.Channel]]:
-    """Run a service in-process on 127.0.0.1 (a free port) with `flags`, and a channel to it."""
-    argv = ["--port", "0", "--bind_address", "127.0.0.1", *flags]
-    values = parse_options(service_class.options, argv, prog="test", description="test", environ={})
-    async with (
-        run_in_process(service_class.from_values(values)) as service,
-        grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,
-    ):
-        yield service, channel
-
-
-DirectoryFactory = Callable[..., AbstractAsyncContextManager[RunningDirectory]]
-
-
-def make_directory_factory(database_url: str) -> DirectoryFactory:
-    """`async with factory("--load_balancing") as d:` runs a directory in-process on
-    `database_url` with the given extra flags; several may run at once (replicas)."""
-
-    @asynccontextmanager
-    async def start(*flags: str) -> AsyncIterator[RunningDirectory]:
-        running = serving(DirectoryService, "--database_url", database_url, *flags)
-        async with running as (service, channel):
-            yield RunningDirectory(service, channel, directory_pb2_grpc.DirectorySPStub(channel))
-
-    return start
+@pytest.fixture
+def closed_port() -> int:
+    """A port nothing listens on (free when probed)."""
+    return free_port()
 
 
 @pytest.fixture
@@ -117,37 +61,6 @@ async def directory(directory_factory: DirectoryFactory) -> AsyncIterator[Runnin
         yield running
 
 
-@dataclass
-class RunningDatastore:
-    service: DatastoreService
-    channel: grpc.aio.Channel
-    stub: trial_datastore_pb2_grpc.TrialDatastoreSPStub
-    datalog: datalog_pb2_grpc.DatalogSPStub
-    log_exporter: datalog_pb2_grpc.LogExporterSPStub
-
-
-DatastoreFactory = Callable[..., AbstractAsyncContextManager[RunningDatastore]]
-
-
-def make_datastore_factory(database_url: str) -> DatastoreFactory:
-    """`async with factory(*flags) as d:` runs a Trial Datastore in-process on `database_url`;
-    several may run at once (replicas)."""
-
-    @asynccontextmanager
-    async def start(*flags: str) -> AsyncIterator[RunningDatastore]:
-        running = serving(DatastoreService, "--database_url", database_url, *flags)
-        async with running as (service, channel):
-            yield RunningDatastore(
-                service,
-                channel,
-                trial_datastore_pb2_grpc.TrialDatastoreSPStub(channel),
-                datalog_pb2_grpc.DatalogSPStub(channel),
-                datalog_pb2_grpc.LogExporterSPStub(channel),
-            )
-
-    return start
-
-
 @pytest.fixture
 def datastore_factory(database_url: str) -> DatastoreFactory:
     """Datastores on `database_url`: tests using it run on SQLite and on PostgreSQL."""
@@ -158,3 +71,19 @@ def datastore_factory(database_url: str) -> DatastoreFactory:
 async def datastore(datastore_factory: DatastoreFactory) -> AsyncIterator[RunningDatastore]:
     async with datastore_factory() as running:
         yield running
+
+
+@pytest.fixture(params=["sqlite-local", "postgresql-s3"])
+def registry_factory(request: pytest.FixtureRequest, tmp_path: Path) -> RegistryFactory:
+    """Registries on one database and blob store (several may run at once: replicas)."""
+    if request.param == "sqlite-local":
+        storage = ["--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
+                   "--archive_dir", str(tmp_path / "blobs")]  # fmt: skip
+    else:
+        s3 = request.getfixturevalue("seaweed_s3")
+        storage = [
+            "--database_url", request.getfixturevalue("postgres_url"),
+            "--s3_endpoint", s3.endpoint, "--s3_access_key", s3.access_key, "--s3_secret_key", s3.secret_key,
+            "--s3_secure=false", "--s3_bucket", f"test-{secrets.token_hex(6)}",
+        ]  # fmt: skip
+    return make_registry_factory(*storage)

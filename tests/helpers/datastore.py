@@ -9,7 +9,7 @@ from google.protobuf import any_pb2
 from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds
-from tests.conftest import RunningDatastore
+from tests.helpers.running import RunningDatastore
 
 ACTORS = [("alice", "class1", "impl_a"), ("bob", "class1", "impl_b"), ("carol", "class2", "impl_a")]
 

@@ -1,4 +1,4 @@
-"""What the property-based fuzz suites (tests/test_*_fuzz.py) share.
+"""What the property-based fuzz suites (tests/*/test_fuzz.py) share.
 
 Each of them runs one real server per test function, not per hypothesis example: the server lives
 in an event loop of its own, in a background thread (`ServerHarness`), and hypothesis examples are

@@ -13,6 +13,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import grpc
+
+from shared.api import directory_pb2, directory_pb2_grpc
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30.0
 
@@ -84,12 +88,28 @@ class RunningService:
         self.stop()
 
 
+def clean_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without its COGMENT_* variables, plus `extra`."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
+    environment.update(extra or {})
+    return environment
+
+
+def directory_entries(
+    directory_address: str, service_type: directory_pb2.ServiceType.ValueType
+) -> list[directory_pb2.FullServiceData]:
+    """The entries of `service_type` that the directory at `directory_address` answers with."""
+    with grpc.insecure_channel(directory_address) as channel:
+        stub = directory_pb2_grpc.DirectorySPStub(channel)
+        inquiry = directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=service_type))
+        return [reply.data for reply in stub.Inquire(inquiry, timeout=5)]
+
+
 def start_service(
     module: str, args: list[str], env: dict[str, str] | None = None, log_dir: Path | None = None
 ) -> RunningService:
     """Start `python -m <module> --port 0 --bind_address 127.0.0.1 --log_format json <args>`."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
-    environment.update(env or {})
+    environment = clean_environment(env)
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     log_path = log_dir / f"{module.replace('.', '_')}-{os.getpid()}-{time.monotonic_ns()}.log"
     command = [

@@ -4,9 +4,7 @@ in-memory blob store, so what the registry leaves in the store is checked exactl
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from services.model_registry.store import RegistryStore
 from shared.db import Database
 from shared.errors import InvalidArgument, NotFound
 from shared.notify import ChangeFeed
+from tests.helpers.digest import sha256_b64
 
 CHUNK = 5  # small chunks: every upload and read goes through several
 # SQLite wakes watchers in this process, whatever the channel.
@@ -53,10 +52,6 @@ async def registry(tmp_path: Path) -> AsyncIterator[Registry]:
         await blobs.close()
         await feed.stop()
         await database.close()
-
-
-def sha256_b64(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 async def chunks_of(data: bytes, size: int = 3) -> AsyncIterator[bytes]:

@@ -29,7 +29,6 @@ from shared.api import common_pb2
 from shared.api import trial_datastore_pb2 as ds
 from shared.cli import to_json
 from shared.version import PACKAGE_VERSION
-from tests.conftest import RunningDatastore
 from tests.helpers.datastore import (
     add_trial,
     datalog_inputs,
@@ -40,7 +39,8 @@ from tests.helpers.datastore import (
     run_datalog,
     trial_params,
 )
-from tests.helpers.services import PROJECT_ROOT
+from tests.helpers.running import RunningDatastore
+from tests.helpers.services import PROJECT_ROOT, clean_environment
 
 MAGIC = b"COGMENTTRIALS001"
 CAPTION = re.compile(r"^(\d+) trials retrieved(?: from <(.*)>)?, next trial handle is <(.*)>$")
@@ -85,13 +85,9 @@ def client_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.datastore.client", *args]
 
 
-def client_environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
-
-
 def run_process(*args: str) -> subprocess.CompletedProcess[bytes]:
     result = subprocess.run(
-        client_command(*args), cwd=PROJECT_ROOT, env=client_environment(), capture_output=True, timeout=60
+        client_command(*args), cwd=PROJECT_ROOT, env=clean_environment(), capture_output=True, timeout=60
     )
     assert b"Traceback" not in result.stderr, result.stderr.decode()
     return result
@@ -99,7 +95,7 @@ def run_process(*args: str) -> subprocess.CompletedProcess[bytes]:
 
 def popen(*args: str, stdin: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        client_command(*args), cwd=PROJECT_ROOT, env=client_environment(), stdin=stdin,
+        client_command(*args), cwd=PROJECT_ROOT, env=clean_environment(), stdin=stdin,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
 

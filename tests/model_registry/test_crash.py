@@ -19,8 +19,6 @@ database and blob store:
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import secrets
 import signal
 import time
@@ -46,6 +44,7 @@ from shared.api import model_registry_pb2_grpc
 from shared.db import Database
 from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage, registry_versions
+from tests.helpers.digest import sha256_b64
 from tests.helpers.services import RunningService, start_service
 
 MiB = 1024 * 1024
@@ -57,10 +56,6 @@ UPLOAD_PAUSE_S = 0.1
 # a first part of 8 MiB is filled).
 KILL_AFTER = 6 * MiB
 WAIT_S = 30.0
-
-
-def digest(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 # ---- the two storage combinations ----
@@ -170,7 +165,7 @@ def body(data: bytes) -> mr.CreateVersionRequestChunk:
 
 async def upload(stub: model_registry_pb2_grpc.ModelRegistrySPStub, model_id: str, data: bytes) -> int:
     async def messages() -> AsyncIterator[mr.CreateVersionRequestChunk]:
-        yield header(model_id, len(data), digest(data))
+        yield header(model_id, len(data), sha256_b64(data))
         for start in range(0, len(data), 2 * MiB):
             yield body(data[start : start + 2 * MiB])
 

@@ -27,8 +27,6 @@ counts >= 2**31 on PostgreSQL; creation timestamps >= 2**63.
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from hypothesis import strategies as st
 from shared.api import common_pb2, model_registry_pb2_grpc
 from shared.api import model_registry_pb2 as mr
 from shared.server import MAX_RECEIVE_MESSAGE_BYTES
+from tests.helpers.digest import sha256_b64
 from tests.helpers.fuzz import (
     CALL_TIMEOUT_S,
     CORRUPT,
@@ -64,7 +63,7 @@ from tests.helpers.fuzz import (
     uint32s,
     unary,
 )
-from tests.test_model_registry import RegistryFactory, registry_factory  # noqa: F401 (a fixture)
+from tests.helpers.running import RegistryFactory
 
 SERVICE = "cogmentAPI.ModelRegistrySP"
 # A VersionUpdate stream with something to send sends it at once; one without waits this long.
@@ -77,10 +76,6 @@ CLIENT_ERROR_CODES = frozenset(
 )
 SEEDED_MODEL = "fuzz-seeded-model"
 SEEDED_DATA = [b"first", b"", b"third version" * 100, bytes(range(256)) * 50]
-
-
-def digest(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 # ---- one registry per test, driven from a background event loop ----
@@ -108,7 +103,7 @@ class Harness(ServerHarness):
             )
         )
         for number, data in enumerate(SEEDED_DATA, 1):
-            messages = version_stream(SEEDED_MODEL, [data], data_size=len(data), data_hash=digest(data))
+            messages = version_stream(SEEDED_MODEL, [data], data_size=len(data), data_hash=sha256_b64(data))
             reply = await self.stub.CreateVersion(iterate(messages), timeout=CALL_TIMEOUT_S)
             assert reply.version_info.version_number == number
 
@@ -140,7 +135,7 @@ class Harness(ServerHarness):
 
 
 @pytest.fixture
-def fuzz(registry_factory: RegistryFactory) -> Iterator[Harness]:  # noqa: F811
+def fuzz(registry_factory: RegistryFactory) -> Iterator[Harness]:
     with Harness(registry_factory) as harness:
         yield harness
 
@@ -405,8 +400,8 @@ def uploads(draw: st.DrawFn, fuzz: Harness) -> Upload:
     hash_kind = draw(st.sampled_from(["none", "right", "right", "wrong", "text"]))
     data_hash = {
         "none": "",
-        "right": digest(data),
-        "wrong": digest(data + b"x"),
+        "right": sha256_b64(data),
+        "wrong": sha256_b64(data + b"x"),
         "text": draw(texts),
     }[hash_kind]
     user_data = draw(st.one_of(st.just({}), user_datas))
@@ -443,7 +438,7 @@ def uploads(draw: st.DrawFn, fuzz: Harness) -> Upload:
         and valid_model_id(target)
         and valid_user_data(user_data)
         and data_size == len(data)
-        and (not data_hash or data_hash == digest(data))
+        and (not data_hash or data_hash == sha256_b64(data))
         and target_kind != "unknown"
     )
     description = (
@@ -489,7 +484,7 @@ def test_create_version_fuzz(fuzz: Harness, data: st.DataObject, prior_versions:
         # versions may have been evicted meanwhile, but prior ones here are archived).
         assert info.version_number == (max(before) if before else 0) + 1
         assert info.model_id == upload.target and info.data_size == len(upload.data)
-        assert info.data_hash == digest(upload.data)
+        assert info.data_hash == sha256_b64(upload.data)
         after = fuzz.version_numbers(upload.target)
         assert after is not None and info.version_number in after
         read = version_data(fuzz, upload.target, info.version_number)
@@ -554,7 +549,7 @@ def test_retrieve_version_infos_fuzz(
         for info in infos:
             assert info.model_id == SEEDED_MODEL and info.archived
             assert info.data_size == len(SEEDED_DATA[info.version_number - 1])
-            assert info.data_hash == digest(SEEDED_DATA[info.version_number - 1])
+            assert info.data_hash == sha256_b64(SEEDED_DATA[info.version_number - 1])
     fuzz.check_alive()
 
 

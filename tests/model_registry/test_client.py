@@ -5,11 +5,8 @@ served over real gRPC from a background thread."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,14 +22,11 @@ import pytest
 
 from shared.api import model_registry_pb2 as pb
 from shared.api import model_registry_pb2_grpc as pb_grpc
-from tests.helpers.services import PROJECT_ROOT
+from tests.helpers.digest import sha256_b64
+from tests.helpers.services import PROJECT_ROOT, clean_environment
 
 CHUNK = 2 * 1024 * 1024
 PAGE = 100
-
-
-def sha256_b64(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode("ascii")
 
 
 @dataclass
@@ -245,16 +239,8 @@ def registry(registry_server: Registry) -> Registry:
     return registry_server
 
 
-@pytest.fixture
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def run_client(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
-    environment.update(env or {})
+    environment = clean_environment(env)
     result = subprocess.run(
         [sys.executable, "-m", "services.model_registry.client", *args],
         cwd=PROJECT_ROOT,

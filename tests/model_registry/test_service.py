@@ -4,67 +4,26 @@ PostgreSQL with a real S3 server (SeaweedFS)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import secrets
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
 import services.model_registry.core as registry_core
 from services.model_registry.blobstore import BlobNotFound
-from services.model_registry.service import ModelRegistryService
 from services.model_registry.servicer import data_chunk_frame
 from shared.api import model_registry_pb2 as mr
-from shared.api import model_registry_pb2_grpc
-from tests.conftest import serving
+from tests.helpers.digest import sha256_b64
+from tests.helpers.running import RegistryFactory, RunningRegistry
 
 CHUNK = 2 * 1024 * 1024
-
-
-@dataclass
-class RunningRegistry:
-    service: ModelRegistryService
-    stub: model_registry_pb2_grpc.ModelRegistrySPStub
-
-
-RegistryFactory = Callable[..., AbstractAsyncContextManager[RunningRegistry]]
-
-
-@pytest.fixture(params=["sqlite-local", "postgresql-s3"])
-def registry_factory(request: pytest.FixtureRequest, tmp_path: Path) -> RegistryFactory:
-    """Registries on one database and blob store (several may run at once: replicas)."""
-    if request.param == "sqlite-local":
-        storage = ["--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
-                   "--archive_dir", str(tmp_path / "blobs")]  # fmt: skip
-    else:
-        s3 = request.getfixturevalue("seaweed_s3")
-        storage = [
-            "--database_url", request.getfixturevalue("postgres_url"),
-            "--s3_endpoint", s3.endpoint, "--s3_access_key", s3.access_key, "--s3_secret_key", s3.secret_key,
-            "--s3_secure=false", "--s3_bucket", f"test-{secrets.token_hex(6)}",
-        ]  # fmt: skip
-
-    @asynccontextmanager
-    async def start(*flags: str) -> AsyncIterator[RunningRegistry]:
-        async with serving(ModelRegistryService, *storage, *flags) as (service, channel):
-            yield RunningRegistry(service, model_registry_pb2_grpc.ModelRegistrySPStub(channel))
-
-    return start
 
 
 @pytest.fixture
 async def registry(registry_factory: RegistryFactory) -> AsyncIterator[RunningRegistry]:
     async with registry_factory() as running:
         yield running
-
-
-def digest(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 async def create_model(r: RunningRegistry, model_id: str, **user_data: str) -> None:
@@ -157,11 +116,11 @@ async def test_versions_are_numbered_from_one_and_their_data_streams_back(regist
     await create_model(registry, "m")
     small = b"hello"
     big = secrets.token_bytes(5 * 1024 * 1024 + 17)
-    first = await create_version(registry, "m", small, hash_=digest(small))
+    first = await create_version(registry, "m", small, hash_=sha256_b64(small))
     second = await create_version(registry, "m", big, archived=False)
     empty = await create_version(registry, "m", b"")
     assert [first.version_number, second.version_number, empty.version_number] == [1, 2, 3]
-    assert (second.data_size, second.data_hash, second.archived) == (len(big), digest(big), False)
+    assert (second.data_size, second.data_hash, second.archived) == (len(big), sha256_b64(big), False)
     assert dict(first.user_data) == {"k": "v"} and first.creation_timestamp > 0
     assert b"".join(await version_data(registry, "m", 1)) == small
     big_chunks = await version_data(registry, "m", 2)
@@ -179,7 +138,7 @@ async def test_rejected_uploads_leave_no_version(registry: RunningRegistry) -> N
     cases = [
         (chunks("m", data, size=len(data) + 1), grpc.StatusCode.INVALID_ARGUMENT),
         (chunks("m", data, size=len(data) - 1), grpc.StatusCode.INVALID_ARGUMENT),
-        (chunks("m", data, hash_=digest(b"other")), grpc.StatusCode.INVALID_ARGUMENT),
+        (chunks("m", data, hash_=sha256_b64(b"other")), grpc.StatusCode.INVALID_ARGUMENT),
         (chunks("m", data)[1:], grpc.StatusCode.INVALID_ARGUMENT),  # a body first
         ([], grpc.StatusCode.INVALID_ARGUMENT),  # an empty stream
         (chunks("m", data) + chunks("m", b"x")[:1], grpc.StatusCode.INVALID_ARGUMENT),  # a second header

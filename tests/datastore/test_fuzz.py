@@ -56,7 +56,6 @@ from services.datastore.conversion import DatalogConverter
 from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
 from shared.server import MAX_RECEIVE_MESSAGE_BYTES
-from tests.conftest import DatastoreFactory
 from tests.helpers.datastore import datalog_inputs, datalog_sample, trial_params
 from tests.helpers.fuzz import (
     CALL_TIMEOUT_S,
@@ -79,6 +78,7 @@ from tests.helpers.fuzz import (
     uint32s,
     unary,
 )
+from tests.helpers.running import DatastoreFactory
 
 # A RetrieveSamples reply of a trial known to hold more samples arrives within this.
 READ_TIMEOUT_S = 10.0
@@ -822,7 +822,7 @@ def datalogs(draw: st.DrawFn, fresh_id: str) -> Datalog:
 
 def converted(datalog: Datalog, samples: Sequence[datalog_pb2.RunTrialDatalogInput]) -> list[bytes]:
     """What the datastore stores for these samples (the conversion is checked on its own, in
-    test_datastore_samples.py; here: that what is stored is what it makes, bit for bit)."""
+    test_samples.py; here: that what is stored is what it makes, bit for bit)."""
     converter = DatalogConverter(datalog.ids[0], datalog.users[0] if datalog.users else "", datalog.params)
     return [converter.convert(message.sample).SerializeToString() for message in samples]
 

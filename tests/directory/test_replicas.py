@@ -10,9 +10,9 @@ from sqlalchemy import text
 from services.directory.model import Endpoint, Registration
 from services.directory.store import DirectoryStore
 from shared.db import Database
-from tests.conftest import make_directory_factory
+from tests.helpers.directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
 from tests.helpers.fake_services import FakeCogmentService
-from tests.test_directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
+from tests.helpers.running import make_directory_factory
 
 
 async def test_an_entry_registered_through_one_replica_is_served_by_another(postgres_url: str) -> None:

@@ -27,7 +27,8 @@ from shared.registration import (
     registration_options,
 )
 from shared.version import PACKAGE_VERSION
-from tests.conftest import DirectoryFactory, RunningDirectory
+from tests.helpers.fake_services import free_port
+from tests.helpers.running import DirectoryFactory, RunningDirectory
 from tests.helpers.tls import make_pki, openssl_available
 
 MODEL_REGISTRY = directory_pb2.MODEL_REGISTRY_SERVICE
@@ -83,12 +84,6 @@ async def service_port() -> AsyncIterator[int]:
     await server.start()
     yield port
     await server.stop(None)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def inquire(

@@ -8,30 +8,24 @@ tests below assert on it.  See the script's docstring for what the SDK sends to 
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import itertools
-import json
 import pathlib
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.helpers.digest import sha256_b64
+from tests.helpers.sdk import run_sdk_script
 from tests.helpers.services import RunningService, start_service
-from tests.interop.sdk_env import PROJECT_ROOT, no_proxy_env, sdk_script_env
+from tests.interop.sdk_env import PROJECT_ROOT, no_proxy_env
 
 SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_model_registry_script.py"
 SCRIPT_TIMEOUT = 150  # seconds; the script bounds itself at 90 s
 
 # Building the SDK venv in a fresh clone downloads a few wheels: allow more than the default.
 pytestmark = pytest.mark.timeout(1200)
-
-
-def _b64sha(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -47,29 +41,8 @@ def _run_script(
     sdk_python: pathlib.Path, service: RunningService, scenario: str, workdir: pathlib.Path
 ) -> dict[str, Any]:
     started = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [str(sdk_python), str(SCRIPT), service.endpoint, scenario],
-            cwd=workdir,
-            env=sdk_script_env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=SCRIPT_TIMEOUT,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"SDK script hung for {SCRIPT_TIMEOUT}s; stderr tail:\n{str(exc.stderr)[-4000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if not lines:
-        pytest.fail(f"SDK script printed nothing (rc={proc.returncode}); stderr tail:\n{proc.stderr[-4000:]}")
-    try:
-        report: dict[str, Any] = json.loads(lines[-1])
-    except ValueError:
-        pytest.fail(f"SDK script output is not JSON: {lines[-1][:2000]}\nstderr:\n{proc.stderr[-4000:]}")
-    report["_stderr_tail"] = proc.stderr[-6000:]
+    report = run_sdk_script(sdk_python, SCRIPT, [service.endpoint, scenario], workdir, SCRIPT_TIMEOUT)
     report["_registry_log"] = str(service.log_path)
-    report["_returncode"] = proc.returncode
     report["_elapsed_s"] = time.monotonic() - started
     return report
 
@@ -159,10 +132,10 @@ def test_zero_byte_version(sdk_report: dict[str, Any]) -> None:
     # Uploaded as the SDK's wire format would carry it (a header alone), it reads back through the
     # public API as b"" with the SHA-256 of nothing, sent as one empty chunk.
     assert zero["raw_upload"]["error"] is None, zero
-    assert zero["raw_upload"]["value"] == {"iteration": 1, "hash": _b64sha(b"")}
-    assert zero["expected_hash"] == _b64sha(b"")
+    assert zero["raw_upload"]["value"] == {"iteration": 1, "hash": sha256_b64(b"")}
+    assert zero["expected_hash"] == sha256_b64(b"")
     info = zero["info"]
-    _assert_info(info, model=info["model_name"], iteration=1, size=0, data_hash=_b64sha(b""))
+    _assert_info(info, model=info["model_name"], iteration=1, size=0, data_hash=sha256_b64(b""))
     assert info["stored"] is True and info["properties"] == {"why": "zero"}
     assert zero["data"] == {"error": None, "value_repr": "b''"}
     assert zero["raw_chunks"] == {"code": "OK", "chunks": [0]}

@@ -34,8 +34,8 @@ from google.protobuf import any_pb2, wrappers_pb2
 from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds
-from tests.conftest import DatastoreFactory, RunningDatastore
 from tests.helpers.datastore import ACTORS, add_trial, full_trial, list_trials, run_datalog, trial_params
+from tests.helpers.running import DatastoreFactory, RunningDatastore
 from tests.interop.sdk_env import PROJECT_ROOT, sdk_script_env
 
 SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_datastore_script.py"

@@ -9,19 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-
-from shared.api import directory_pb2, directory_pb2_grpc
-from tests.helpers.services import PROJECT_ROOT, start_service
-
-
-def _registered(directory_address: str) -> list[directory_pb2.FullServiceData]:
-    with grpc.insecure_channel(directory_address) as channel:
-        stub = directory_pb2_grpc.DirectorySPStub(channel)
-        inquiry = directory_pb2.InquireRequest(
-            details=directory_pb2.ServiceDetails(type=directory_pb2.MODEL_REGISTRY_SERVICE)
-        )
-        return [reply.data for reply in stub.Inquire(inquiry, timeout=5)]
+from shared.api import directory_pb2
+from tests.helpers.services import PROJECT_ROOT, directory_entries, start_service
 
 
 def test_registers_in_the_directory_and_deregisters_on_shutdown(tmp_path: Path) -> None:
@@ -34,7 +23,7 @@ def test_registers_in_the_directory_and_deregisters_on_shutdown(tmp_path: Path) 
         env = {"COGMENT_DIRECTORY_ENDPOINT": directory.endpoint}
         with start_service("services.model_registry", registry_args, env=env, log_dir=tmp_path) as registry:
             deadline = time.monotonic() + 15
-            while not (found := _registered(directory.address)):
+            while not (found := directory_entries(directory.address, directory_pb2.MODEL_REGISTRY_SERVICE)):
                 assert time.monotonic() < deadline, "the registry did not register itself"
                 time.sleep(0.2)
             (entry,) = found
@@ -42,7 +31,7 @@ def test_registers_in_the_directory_and_deregisters_on_shutdown(tmp_path: Path) 
             assert entry.endpoint.protocol == directory_pb2.ServiceEndpoint.GRPC
             assert "__version" in entry.details.properties
         assert registry.process.returncode == 0
-        assert _registered(directory.address) == []
+        assert directory_entries(directory.address, directory_pb2.MODEL_REGISTRY_SERVICE) == []
 
 
 def _client(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -4,9 +4,7 @@ against a directory subprocess."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.directory.client import PACKAGE_VERSION
-from tests.helpers.services import PROJECT_ROOT, RunningService, start_service
+from tests.helpers.services import PROJECT_ROOT, RunningService, clean_environment, start_service
 
 REGISTERED = re.compile(r"^Service ID \[(\d+)\] \tSecret \[(\S+)\]$")
 
@@ -31,19 +29,10 @@ def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServi
         yield service
 
 
-@pytest.fixture
-def closed_port() -> int:
-    """A port nothing listens on (free when probed)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def run_client(
     *args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0
 ) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
-    environment.update(env or {})
+    environment = clean_environment(env)
     result = subprocess.run(
         [sys.executable, "-m", "services.directory.client", *args],
         cwd=PROJECT_ROOT,
@@ -267,7 +256,7 @@ def test_wait_for_ready_waits_for_the_directory(tmp_path: Path, closed_port: int
             "30",
         ],
         cwd=PROJECT_ROOT,
-        env={k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")},
+        env=clean_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -6,17 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import grpc
-
-from shared.api import directory_pb2, directory_pb2_grpc
-from tests.helpers.services import start_service
-
-
-def _registered(directory_address: str, service_type: int) -> list[directory_pb2.FullServiceData]:
-    with grpc.insecure_channel(directory_address) as channel:
-        stub = directory_pb2_grpc.DirectorySPStub(channel)
-        inquiry = directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=service_type))  # type: ignore[arg-type]
-        return [reply.data for reply in stub.Inquire(inquiry, timeout=5)]
+from shared.api import directory_pb2
+from tests.helpers.services import directory_entries, start_service
 
 
 def test_registers_as_datastore_and_datalog_and_deregisters_on_shutdown(tmp_path: Path) -> None:
@@ -28,11 +19,11 @@ def test_registers_as_datastore_and_datalog_and_deregisters_on_shutdown(tmp_path
         with start_service("services.datastore", datastore_args, env=env, log_dir=tmp_path) as datastore:
             deadline = time.monotonic() + 15
             for service_type in types:
-                while not (found := _registered(directory.address, service_type)):
+                while not (found := directory_entries(directory.address, service_type)):
                     assert time.monotonic() < deadline, f"the datastore did not register as {service_type}"
                     time.sleep(0.2)
                 (entry,) = found
                 assert (entry.endpoint.host, entry.endpoint.port) == ("127.0.0.1", datastore.port)
                 assert "__version" in entry.details.properties
         assert datastore.process.returncode == 0
-        assert all(_registered(directory.address, service_type) == [] for service_type in types)
+        assert all(directory_entries(directory.address, service_type) == [] for service_type in types)

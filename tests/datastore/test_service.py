@@ -12,7 +12,6 @@ from google.protobuf import any_pb2
 from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds
-from tests.conftest import DatastoreFactory, RunningDatastore, make_datastore_factory
 from tests.helpers.datastore import (
     add_trial,
     datalog_inputs,
@@ -23,6 +22,7 @@ from tests.helpers.datastore import (
     run_datalog,
     trial_params,
 )
+from tests.helpers.running import DatastoreFactory, RunningDatastore, make_datastore_factory
 
 F = ds.StoredTrialSampleField
 

@@ -34,7 +34,6 @@ from hypothesis import strategies as st
 
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
 from shared.server import MAX_RECEIVE_MESSAGE_BYTES
-from tests.conftest import DirectoryFactory
 from tests.helpers.fuzz import (
     CALL_TIMEOUT_S,
     CORRUPT,
@@ -55,6 +54,7 @@ from tests.helpers.fuzz import (
     unary,
     unicode_chars,
 )
+from tests.helpers.running import DirectoryFactory
 
 SERVICE = "cogmentAPI.DirectorySP"
 TOKEN_KEY = "authentication-token"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import socket
@@ -38,8 +37,9 @@ from services.directory.service import DirectoryService
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
 from shared.config import parse_options
 from shared.version import COGMENT_API_VERSION
-from tests.conftest import run_in_process
-from tests.helpers.services import PROJECT_ROOT, RunningService, start_service
+from tests.helpers.fake_services import free_port
+from tests.helpers.running import run_in_process
+from tests.helpers.services import PROJECT_ROOT, RunningService, clean_environment, start_service
 from tests.helpers.tls import KeyPair, Pki, make_pki, openssl_available
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,12 +72,6 @@ def registration(host: str) -> directory_pb2.RegisterRequest:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def wait_for(produce: Callable[[], T], what: str, timeout_s: float = 10.0) -> T:
     """The first truthy value of `produce()`, polled until `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -107,8 +101,7 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
 def launch(args: list[str], env: dict[str, str], stderr_path: Path) -> subprocess.Popen[bytes]:
     """`python -m services.directory <args>` with exactly `args` (no logging flags added, unlike
     `start_service`), stderr to `stderr_path`, and no COGMENT_* variable but those in `env`."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
-    environment.update(env)
+    environment = clean_environment(env)
     with stderr_path.open("wb") as stderr:
         return subprocess.Popen(
             [sys.executable, "-m", DIRECTORY, *args],
@@ -121,8 +114,7 @@ def launch(args: list[str], env: dict[str, str], stderr_path: Path) -> subproces
 
 def run_to_exit(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the directory with `args`, expecting it to exit by itself (bad configuration)."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}
-    environment.update(env or {})
+    environment = clean_environment(env)
     return subprocess.run(
         [sys.executable, "-m", DIRECTORY, *args],
         cwd=PROJECT_ROOT,

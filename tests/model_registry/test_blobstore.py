@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import gc
 import hashlib
 import os
@@ -27,6 +28,7 @@ from services.model_registry.blobstore import (
     BlobNotFound,
     BlobStore,
     BlobStoreError,
+    BlobStoreUnavailable,
     InvalidBlobKey,
     LocalBlobStore,
     MemoryBlobStore,
@@ -35,7 +37,9 @@ from services.model_registry.blobstore import (
     memory,
     s3,
 )
+from shared.errors import ResourceExhausted, Unavailable, classify
 from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
+from tests.helpers.digest import sha256_b64
 
 PART = MIN_PART_SIZE  # the S3 store under test uses the smallest parts: fewer bytes per case
 MiB = 1 << 20
@@ -93,10 +97,6 @@ async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 def payload(size: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-def sha256_b64(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 def split(data: bytes, sizes: list[int]) -> Iterator[bytes]:
@@ -464,3 +464,33 @@ async def test_s3_memory_is_bounded(seaweed_s3: SeaweedS3, monkeypatch: pytest.M
     assert buffers["live"] == 0, buffers  # all unmapped once the upload is over
     assert upload_heap_peak < 4 * MiB, f"upload heap peak {upload_heap_peak / MiB:.1f} MiB"
     assert read_heap_peak < 4 * 2 * MiB, f"read heap peak {read_heap_peak / MiB:.1f} MiB"
+
+
+async def test_backend_failures_are_classified_for_every_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk under the local store is RESOURCE_EXHAUSTED, an unreachable S3 server
+    UNAVAILABLE (shared.errors.classify, the one place statuses are decided)."""
+    store = LocalBlobStore(tmp_path / "blobs")
+    await store.start()
+
+    def disk_full(fd: int, pieces: list[bytes]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local, "_write_all", disk_full)
+    upload = await store.open_upload("versions/full/1")
+    with pytest.raises(BlobStoreUnavailable) as full:
+        await upload.write(payload(2 * MiB))
+        await upload.commit()
+    await upload.abort()
+    assert isinstance(classify(full.value), ResourceExhausted)
+    await store.close()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed below: nothing listens there
+    unreachable = S3BlobStore(f"127.0.0.1:{port}", "a", "b", "some-bucket", secure=False)
+    with pytest.raises(BlobStoreUnavailable) as away:
+        await get_chunks(unreachable, "versions/a/1", MiB)
+    assert isinstance(classify(away.value), Unavailable)
+    await unreachable.close()

@@ -10,16 +10,15 @@ what the SDK sends to a directory.
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.helpers.sdk import run_sdk_script
 from tests.helpers.services import RunningService, start_service
-from tests.interop.sdk_env import PROJECT_ROOT, no_proxy_env, sdk_script_env
+from tests.interop.sdk_env import PROJECT_ROOT, no_proxy_env
 
 SCRIPT = PROJECT_ROOT / "tests" / "interop" / "sdk_directory_script.py"
 SCRIPT_TIMEOUT = 240  # seconds; the script bounds itself at 120 s
@@ -65,29 +64,9 @@ def sdk_report(
 ) -> dict[str, Any]:
     """Run the SDK script once against our directory and return its JSON report."""
     workdir = tmp_path_factory.mktemp("sdk-interop-run")
-    try:
-        proc = subprocess.run(
-            [str(sdk_python), str(SCRIPT), directory_service.endpoint, "all"],
-            cwd=workdir,
-            env=sdk_script_env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=SCRIPT_TIMEOUT,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"SDK script hung for {SCRIPT_TIMEOUT}s; stderr tail:\n{str(exc.stderr)[-4000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if not lines:
-        pytest.fail(f"SDK script printed nothing (rc={proc.returncode}); stderr tail:\n{proc.stderr[-4000:]}")
-    try:
-        report: dict[str, Any] = json.loads(lines[-1])
-    except ValueError:
-        pytest.fail(f"SDK script output is not JSON: {lines[-1][:2000]}\nstderr:\n{proc.stderr[-4000:]}")
-    report["_stderr_tail"] = proc.stderr[-6000:]
+    args = [directory_service.endpoint, "all"]
+    report = run_sdk_script(sdk_python, SCRIPT, args, workdir, SCRIPT_TIMEOUT)
     report["_directory_log"] = str(directory_service.log_path)
-    report["_returncode"] = proc.returncode
     return report
 
 
