@@ -8,11 +8,13 @@ may be set to an empty string, which counts as a value (as in the reference).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T", int, float)
 TRUE_WORDS = {"1", "true", "yes", "on", "t", "y"}
 FALSE_WORDS = {"0", "false", "no", "off", "f", "n", ""}
 
@@ -26,32 +28,27 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+def _bounded(
+    name: str, parse: Callable[[str], T], low: T, high: T | None, expected: str
+) -> Callable[[str], T]:
+    """A parser of `parse`d values within [low, high] (`high` None: no upper bound), called
+    `name` (argparse says "invalid <name> value" for text that does not parse)."""
+
+    def parse_bounded(text: str) -> T:
+        value = parse(text)
+        if value < low or (high is not None and value > high):  # type: ignore[operator]
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse_bounded.__name__ = name
+    return parse_bounded
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+non_negative_int = _bounded("non_negative_int", int, 0, None, "a non-negative integer")
+positive_int = _bounded("positive_int", int, 1, None, "a positive integer")
+port_number = _bounded("port_number", int, 0, 65535, "a port number 0..65535")
+# Positive: the smallest float above zero.
+positive_float = _bounded("positive_float", float, math.ulp(0.0), None, "a positive number")
 
 
 @dataclass(frozen=True)

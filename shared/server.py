@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared import metrics
 from shared.config import Option, parse_options
+from shared.db import Database
 from shared.load import LoadMonitor
 from shared.logging import configure_logging, get_logger
 from shared.observer import ObservabilityInterceptor
@@ -51,6 +52,8 @@ class Service(Generic[SettingsT]):
 
     def __init__(self, settings: SettingsT) -> None:
         self.settings = settings
+        # Closed by `serve()` once the service stopped.
+        self.database = Database(settings.database_url_of(self.name))
         # The bound port, once serving (the configured one may be 0).
         self.port: int | None = None
 
@@ -181,6 +184,7 @@ async def serve(
     except Exception as error:
         log.error("cannot start", service=service.name, error=str(error), exc_info=error)
         await service.stop()
+        await service.database.close()
         await load.stop()
         raise SystemExit(1) from None
 
@@ -226,6 +230,7 @@ async def serve(
         if health_server is not None:
             await health_server.stop(None)
         await service.stop()
+        await service.database.close()
         await load.stop()
         for sig in signals:
             loop.remove_signal_handler(sig)

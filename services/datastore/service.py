@@ -13,7 +13,6 @@ from services.datastore.servicer import add_datastore_servicers
 from services.datastore.store import DatastoreStore
 from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2
 from shared.config import Option, positive_int
-from shared.db import Database
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
@@ -52,7 +51,6 @@ class DatastoreService(Service[DatastoreSettings]):
 
     def __init__(self, settings: DatastoreSettings) -> None:
         super().__init__(settings)
-        self.database = Database(settings.database_url_of("datastore"))
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database, self.feed)
         self.batcher = SampleBatcher(self.store, max_samples=settings.batch_max_samples)
@@ -90,4 +88,3 @@ class DatastoreService(Service[DatastoreSettings]):
     async def stop(self) -> None:
         await self.batcher.stop()  # what was received is written
         await self.feed.stop()
-        await self.database.close()

@@ -16,7 +16,6 @@ from services.directory.servicer import DirectoryServicer
 from services.directory.store import DirectoryStore
 from shared.api import directory_pb2, directory_pb2_grpc
 from shared.config import Option, non_negative_int, parse_bool, positive_float
-from shared.db import Database
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime
 from shared.server import Service
@@ -99,7 +98,6 @@ class DirectoryService(Service[DirectorySettings]):
 
     def __init__(self, settings: DirectorySettings) -> None:
         super().__init__(settings)
-        self.database = Database(settings.database_url_of("directory"))
         self.store = DirectoryStore(self.database)
         self.checker = HealthChecker(self.store, settings.health_check_interval)
         self._maintenance_task: asyncio.Task[None] | None = None
@@ -147,7 +145,6 @@ class DirectoryService(Service[DirectorySettings]):
             self._maintenance_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintenance_task
-        await self.database.close()
 
     async def _maintain(self) -> None:
         """Publish the entry gauges and keep the planner's statistics current.

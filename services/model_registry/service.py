@@ -15,7 +15,6 @@ from services.model_registry.servicer import ModelRegistryServicer, add_model_re
 from services.model_registry.store import RegistryStore
 from shared.api import directory_pb2, model_registry_pb2
 from shared.config import Option, non_negative_int, parse_bool
-from shared.db import Database
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
@@ -103,7 +102,6 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
 
     def __init__(self, settings: ModelRegistrySettings) -> None:
         super().__init__(settings)
-        self.database = Database(settings.database_url_of("model_registry"))
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = RegistryStore(self.database, self.feed)
         self.blobs = blob_store(settings)
@@ -145,4 +143,3 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
         await self.registry.stop()
         await self.blobs.close()
         await self.feed.stop()
-        await self.database.close()

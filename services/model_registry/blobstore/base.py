@@ -31,16 +31,6 @@ from typing import Any, Protocol, TypeVar
 from shared.errors import DependencyError
 from shared.logging import get_logger
 
-__all__ = [
-    "BlobNotFound",
-    "BlobStore",
-    "BlobStoreError",
-    "BlobStoreUnavailable",
-    "BlobUpload",
-    "InvalidBlobKey",
-    "validate_key",
-]
-
 MiB = 1 << 20
 MAX_KEY_LENGTH = 512
 MAX_KEY_COMPONENT_LENGTH = 255  # NAME_MAX of common file systems
