@@ -23,10 +23,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.base import Executable
 
+from shared.dependencies import Dependency
 from shared.logging import get_logger
 
 if TYPE_CHECKING:
     from shared.notify import ChangeFeed
+
+_PROBE = text("SELECT 1")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
@@ -259,6 +262,17 @@ class Database:
         if changed and feed is not None:
             feed.wake(changed)
         return result
+
+    async def probe(self) -> None:
+        """Raises if the database cannot be reached (see shared.dependencies)."""
+        await self.fetch(_PROBE)
+
+    async def reset_connections(self) -> None:
+        """Drop pooled connections (after an outage they are dead: each would fail one call)."""
+        await self.engine.dispose()
+
+    def as_dependency(self) -> Dependency:
+        return Dependency("database", self.probe, self.reset_connections)
 
     async def migrate(self) -> None:
         """Bring the schema to the latest revision (safe with several replicas starting at once)."""

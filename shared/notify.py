@@ -24,15 +24,13 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from shared.db import Database
-from shared.logging import get_logger
+from shared.supervision import FailureStreak
 
 # PostgreSQL refuses payloads of 8000 bytes or more.
 MAX_PAYLOAD = 7000
-RECONNECT_DELAYS_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 SQLITE_POLL_PERIOD_S = 0.5
 POSTGRESQL_SAFETY_PERIOD_S = 5.0
 
-log = get_logger("shared.notify")
 
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
 
@@ -131,27 +129,19 @@ class ChangeFeed:
 
     async def _listen(self) -> None:
         conninfo = self.database.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        failures = 0
+        streak = FailureStreak("listening for changes", channel=self.channel)
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as connection:
                     await connection.execute(f'LISTEN "{self.channel}"')
-                    if failures:
-                        log.info("listening for changes again", channel=self.channel)
+                    if streak.failures:
+                        streak.succeeded()
                         self._wake_all()  # changes made meanwhile were not notified
-                    failures = 0
                     self.listening.set()
                     async for notification in connection.notifies():
                         self.wake(notification.payload.split(","))
             except (psycopg.Error, OSError) as error:
-                delay = RECONNECT_DELAYS_S[min(failures, len(RECONNECT_DELAYS_S) - 1)]
-                failures += 1
-                log.warning(
-                    "lost the change notifications, reconnecting",
-                    channel=self.channel,
-                    error=str(error),
-                    retry_in_s=delay,
-                )
+                delay = streak.failed(error)
                 self.listening.set()  # start-up must not hang on an unreachable database
                 await asyncio.sleep(delay)
 

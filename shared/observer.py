@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from shared import metrics
-from shared.errors import classify
+from shared.errors import Unavailable, classify
 from shared.handlers import HANDLER_FACTORY
 from shared.logging import get_logger
 
@@ -53,9 +53,13 @@ class _CallRecorder:
     started: Any
     seconds: Any
     handled: dict[grpc.StatusCode, Any]
+    # Told when a call failed because a dependency is away (see shared.dependencies).
+    on_dependency_failure: Callable[[], None]
 
     @classmethod
-    def for_method(cls, method: str, rpc_type: str) -> _CallRecorder:
+    def for_method(
+        cls, method: str, rpc_type: str, on_dependency_failure: Callable[[], None]
+    ) -> _CallRecorder:
         service, _, name = method.lstrip("/").partition("/")
         labels = (rpc_type, service, name)
         return cls(
@@ -64,6 +68,7 @@ class _CallRecorder:
             started=metrics.started_total.labels(*labels),
             seconds=metrics.handling_seconds.labels(*labels),
             handled={},
+            on_dependency_failure=on_dependency_failure,
         )
 
     def finish(self, code: grpc.StatusCode, started_at: float, details: str | None, peer: str) -> None:
@@ -109,7 +114,10 @@ def _outcome(
         log.error("unexpected error in rpc", rpc=recorder.rpc, exc_info=error)
         return grpc.StatusCode.INTERNAL, INTERNAL_ERROR_MESSAGE
     if failure is not error:
-        log.warning("rpc failed on a dependency", rpc=recorder.rpc, code=failure.code.name, error=str(error))
+        # The dependency's outage is logged once where it is watched, not once per call.
+        log.debug("rpc failed on a dependency", rpc=recorder.rpc, code=failure.code.name, error=str(error))
+        if isinstance(failure, Unavailable):
+            recorder.on_dependency_failure()
     return failure.code, str(failure)
 
 
@@ -192,9 +200,14 @@ def _wrap_stream_response(
     return handle
 
 
+def _ignore() -> None:
+    pass
+
+
 class ObservabilityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self) -> None:
+    def __init__(self, on_dependency_failure: Callable[[], None] = _ignore) -> None:
         self._handlers: dict[str, Any] = {}
+        self._on_dependency_failure = on_dependency_failure
 
     async def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
         handler = await continuation(details)
@@ -207,7 +220,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
         streaming = (handler.request_streaming, handler.response_streaming)
         rpc_type = _RPC_TYPES[streaming]
         behavior = getattr(handler, _BEHAVIOR_ATTRIBUTES[rpc_type])
-        recorder = _CallRecorder.for_method(method, rpc_type)
+        recorder = _CallRecorder.for_method(method, rpc_type, self._on_dependency_failure)
         wrap = _wrap_stream_response if inspect.isasyncgenfunction(behavior) else _wrap_unary_response
         new_handler = HANDLER_FACTORY[streaming](
             wrap(behavior, recorder, handler.request_streaming),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import ssl
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -24,6 +25,8 @@ from grpc_reflection.v1alpha import reflection
 from shared import metrics
 from shared.config import Option, parse_options
 from shared.db import Database
+from shared.dependencies import Dependencies
+from shared.errors import classify
 from shared.load import LoadMonitor
 from shared.logging import configure_logging, get_logger
 from shared.observer import ObservabilityInterceptor
@@ -36,6 +39,9 @@ log = get_logger("shared.server")
 # gRPC's default is 4 MiB, but what a service sends back must be accepted again: a stored trial
 # sample (reward user data is copied per receiver) can be larger, and its export re-imported.
 MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
+# The grpc.health.v1 service name of liveness: SERVING as long as the process serves, whatever its
+# dependencies; "" and each served service tell readiness.
+LIVENESS_SERVICE = "liveness"
 SettingsT = TypeVar("SettingsT", bound=ServerSettings)
 ServiceT = TypeVar("ServiceT", bound="Service[Any]")
 
@@ -54,6 +60,8 @@ class Service(Generic[SettingsT]):
         self.settings = settings
         # Closed by `serve()` once the service stopped.
         self.database = Database(settings.database_url_of(self.name))
+        # What the service needs to serve; `serve()` watches them (readiness, riding out outages).
+        self.dependencies = Dependencies([self.database.as_dependency()], settings.outage_bound)
         # The bound port, once serving (the configured one may be 0).
         self.port: int | None = None
 
@@ -94,6 +102,26 @@ def _read(path: str, what: str) -> bytes:
         raise StartupError(f"cannot read {what} {path}: {error.strerror}") from None
 
 
+def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+    """Raise a StartupError naming what is wrong with the TLS files: grpc would only fail to
+    listen, without saying why."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as error:
+        raise StartupError(
+            f"--tls_cert {cert} and --tls_key {key} are not a PEM certificate and its private key "
+            f"({error.reason or error})"
+        ) from None
+    if client_ca:
+        try:
+            context.load_verify_locations(client_ca)
+        except ssl.SSLError as error:
+            raise StartupError(
+                f"--tls_client_ca {client_ca} is not a PEM CA bundle ({error.reason or error})"
+            ) from None
+
+
 def _bind(server: grpc.aio.Server, settings: ServerSettings) -> int:
     address = f"{settings.bind_address}:{settings.port}"
     try:
@@ -106,6 +134,7 @@ def _bind(server: grpc.aio.Server, settings: ServerSettings) -> int:
                 root_certificates=client_ca,
                 require_client_auth=client_ca is not None,
             )
+            _check_tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
             port = server.add_secure_port(address, credentials)
         elif settings.tls_client_ca:
             raise StartupError("--tls_client_ca needs --tls_cert and --tls_key")
@@ -157,8 +186,9 @@ async def serve(
     status 1 and one clear log line.
     """
     settings = service.settings
+    dependencies = service.dependencies
     server = grpc.aio.server(
-        interceptors=[ObservabilityInterceptor()],
+        interceptors=[ObservabilityInterceptor(dependencies.suspect)],
         # No SO_REUSEPORT: a second instance on a port in use must fail, not share the connections.
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)],
     )
@@ -182,7 +212,11 @@ async def serve(
     try:
         await service.start(runtime)
     except Exception as error:
-        log.error("cannot start", service=service.name, error=str(error), exc_info=error)
+        # A dependency that cannot be reached is said in one line; a bug with its traceback.
+        unreachable = classify(error) is not None or isinstance(error, StartupError)
+        log.error(
+            "cannot start", service=service.name, error=str(error), exc_info=None if unreachable else error
+        )
         await service.stop()
         await service.database.close()
         await load.stop()
@@ -204,9 +238,24 @@ async def serve(
         # out of the collector's full passes, which otherwise show up as latency spikes.
         gc.freeze()
         service.port = port
-        for name in ["", *names]:
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        load.serviceable = True
+        serving = True
+
+        async def set_readiness(ready: bool) -> None:
+            # Readiness follows the dependencies; liveness does not (no restarts for an outage).
+            if serving:
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if ready
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for name in ["", *names]:
+                    await health.set(name, status)
+                load.serviceable = ready
+
+        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await set_readiness(True)
+        dependencies.on_change(set_readiness)
+        dependencies.start()
         log.info(
             "serving",
             service=service.name,
@@ -222,6 +271,7 @@ async def serve(
         await service.on_serving(port)
         await stop_event.wait()
         log.info("shutting down", service=service.name, grace_seconds=settings.shutdown_grace)
+        serving = False
         load.serviceable = False
         await health.enter_graceful_shutdown()
         await service.on_shutdown()
@@ -229,6 +279,7 @@ async def serve(
         await server.stop(settings.shutdown_grace)
         if health_server is not None:
             await health_server.stop(None)
+        await dependencies.stop()
         await service.stop()
         await service.database.close()
         await load.stop()

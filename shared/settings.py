@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from shared.config import Option, parse_bool, port_number, positive_float
 from shared.db import DEFAULT_DATA_DIR, default_database_url
+from shared.dependencies import DEFAULT_OUTAGE_BOUND_S
 from shared.logging import logging_options
 
 S = TypeVar("S", bound="Settings")
@@ -49,6 +50,7 @@ class ServerSettings(Settings):
     tls_key: str | None
     tls_client_ca: str | None
     shutdown_grace: float
+    outage_bound: float
     log_level: str
     log_format: str
     log_file: str | None
@@ -113,6 +115,14 @@ def server_options(env_prefix: str, default_port: int) -> list[Option]:
             "seconds given to in-flight calls on shutdown",
             5.0,
             f"{env_prefix}_SHUTDOWN_GRACE",
+            positive_float,
+        ),
+        Option(
+            "outage_bound",
+            "seconds streams (live reads, ingestion, VersionUpdate) wait for the database or blob "
+            "store to come back before failing with UNAVAILABLE",
+            DEFAULT_OUTAGE_BOUND_S,
+            f"{env_prefix}_OUTAGE_BOUND",
             positive_float,
         ),
         *logging_options(),

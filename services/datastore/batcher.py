@@ -14,14 +14,20 @@ second, per-sample futures would cost the event loop more than the conversion do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 from services.datastore.model import ENDED, NO_STATE, SampleAppend
 from services.datastore.store import DatastoreStore
+from shared.dependencies import Dependencies
+from shared.errors import classify
 from shared.logging import get_logger
+from shared.supervision import Supervised
 
 DEFAULT_MAX_SAMPLES = 1000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+# On shutdown, pending samples get this long to be written.
+STOP_TIMEOUT_S = 5.0
 
 log = get_logger("datastore.batcher")
 
@@ -98,29 +104,36 @@ class SampleBatcher:
     def __init__(
         self,
         store: DatastoreStore,
+        dependencies: Dependencies | None = None,
         *,
         max_samples: int = DEFAULT_MAX_SAMPLES,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self._store = store
+        self._dependencies = dependencies or Dependencies([])
         self.max_samples = max_samples
         self.max_bytes = max_bytes
         self._queue: deque[IngestionBuffer] = deque()
         self._ready = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._writer = Supervised("sample-writer", self._write_forever)
+        self._started = False
         self._stopping = False
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._write_forever(), name="sample-batcher")
+        self._writer.start()
+        self._started = True
 
     async def stop(self) -> None:
-        """Write what is pending, then stop."""
-        if self._task is None:
+        """Write what is pending (what cannot be written within STOP_TIMEOUT_S, e.g. during an
+        outage, was never acknowledged), then stop."""
+        if not self._started:
             return
         self._stopping = True
         self._ready.set()
-        await self._task
-        self._task = None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._writer.join(), STOP_TIMEOUT_S)
+        await self._writer.stop()
+        self._started = False
 
     def open(self, trial_seq: int) -> IngestionBuffer:
         return IngestionBuffer(self, trial_seq)
@@ -154,14 +167,31 @@ class SampleBatcher:
             await self._ready.wait()
             self._ready.clear()
             while self._queue:
-                await self._write(self._take_batch())
+                batch = self._take_batch()
+                try:
+                    await self._write(batch)
+                except Exception as error:  # a bug: its streams fail, the others go on
+                    log.error("could not write a batch of samples", exc_info=error)
+                    for buffer, _ in batch:
+                        buffer.failed(error)
             if self._stopping:
                 return
 
     async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend]]) -> None:
+        if not batch:  # every queued stream had failed
+            return
+        appends = [append for _, append in batch]
         try:
-            firsts = await self._store.append([append for _, append in batch])
+            # An outage is ridden out: the samples stay here and are written once the database is
+            # back (their streams wait, unacknowledged), up to the outage bound.
+            firsts = await self._dependencies.ride_out(lambda: self._store.append(appends))
         except Exception as error:
+            failure = classify(error)
+            if failure is not None:  # no stream is at fault: each of them reports it
+                log.warning("could not store samples", streams=len(batch), error=str(failure))
+                for buffer, _ in batch:
+                    buffer.failed(failure)
+                return
             if len(batch) > 1:  # the transaction rolled back: find the append at fault
                 for item in batch:
                     await self._write([item])

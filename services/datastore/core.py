@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from services.datastore.batcher import SampleBatcher, TrialMissing
@@ -21,6 +22,7 @@ from services.datastore.model import ENDED, NO_STATE, TrialRecord
 from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
+from shared.dependencies import Dependencies
 from shared.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
@@ -115,6 +117,8 @@ class Ingestion:
                 await reader
 
     def _failure(self, error: Exception) -> ServiceError:
+        if isinstance(error, ServiceError):  # the database is away, or full
+            return error
         if isinstance(error, TrialMissing):
             return NotFound(f'trial "{quoted(self.trial.trial_id)}" was deleted')
         return Unavailable(f"could not store the samples: {error}")
@@ -153,10 +157,19 @@ class Ingestion:
 
 
 class TrialDatastore:
-    def __init__(self, store: DatastoreStore, feed: ChangeFeed, batcher: SampleBatcher) -> None:
+    def __init__(
+        self,
+        store: DatastoreStore,
+        feed: ChangeFeed,
+        batcher: SampleBatcher,
+        dependencies: Dependencies | None = None,
+    ) -> None:
         self.store = store
         self.feed = feed
         self.batcher = batcher
+        # Streams (live readers, a waiting RetrieveTrials, a datalog being opened) ride out a
+        # database outage; a unary call answers UNAVAILABLE at once.
+        self.ride_out = (dependencies or Dependencies([])).ride_out
 
     # ---- trials ----
 
@@ -169,9 +182,11 @@ class TrialDatastore:
         checked_id(trial_id, "trial id")
         checked_text(user_id, "user ids")
         data = params.SerializeToString()
-        seq = await self.store.upsert_trial(
-            trial_id, user_id, data, params.properties, time.time_ns(), reopen=reopen
+        upsert = functools.partial(
+            self.store.upsert_trial, trial_id, user_id, data, params.properties, time.time_ns(), reopen=reopen
         )
+        # A datalog stream is opened by a trial that is starting: it waits for the database.
+        seq = await (self.ride_out(upsert) if reopen else upsert())
         return TrialRecord(seq, trial_id, user_id, data, 0, NO_STATE, False, False)
 
     async def delete_trials(self, trial_ids: Sequence[str]) -> int:
@@ -202,12 +217,15 @@ class TrialDatastore:
             limit = len(wanted_ids)  # return as soon as every requested trial is there
         deadline = time.monotonic() + timeout_ms / 1000
         found: list[TrialRecord] = []
+        read = self.ride_out if timeout_ms else _at_once
         with self.feed.watch([TRIALS_KEY]) as watch:
             while True:
                 # Reading the end first: trials created from now on come after it, for the next call.
-                end = max(after, await self.store.last_trial_seq())
+                end = max(after, await read(self.store.last_trial_seq))
                 remaining = None if limit is None else limit - len(found)
-                batch = await self.store.list_trials(after, end, wanted_ids, properties, remaining)
+                batch = await read(
+                    functools.partial(self.store.list_trials, after, end, wanted_ids, properties, remaining)
+                )
                 found.extend(batch)
                 if limit is not None and len(found) >= limit:
                     return found, str(found[-1].trial_seq)
@@ -244,7 +262,7 @@ class TrialDatastore:
         """Serialized StoredTrialSamples of the trials, stored ones then live ones, each trial's in
         order, until every trial has ended or its ingestion closed."""
         wanted_ids = list(dict.fromkeys(trial_ids))
-        found = await self.store.get_trials(wanted_ids)
+        found = await self.ride_out(functools.partial(self.store.get_trials, wanted_ids))
         missing = [trial_id for trial_id in wanted_ids if trial_id not in found]
         if missing:
             raise NotFound(f'no trial "{quoted(missing[0])}" found')
@@ -265,14 +283,17 @@ class TrialDatastore:
             while readers:
                 progressed = False
                 for reader in list(readers):
-                    batch = await self.store.read_samples(reader.trial.trial_seq, reader.next, READ_BATCH)
+                    seq = reader.trial.trial_seq
+                    batch = await self.ride_out(
+                        functools.partial(self.store.read_samples, seq, reader.next, READ_BATCH)
+                    )
                     reader.next += len(batch)
                     for data in batch:
                         yield reader.filtered(data)
                     if len(batch) == READ_BATCH:
                         progressed = True
                         continue
-                    progress = await self.store.progress(reader.trial.trial_seq)
+                    progress = await self.ride_out(functools.partial(self.store.progress, seq))
                     if progress is None:
                         raise NotFound(f'trial "{quoted(reader.trial.trial_id)}" was deleted')
                     if reader.next < progress.samples_count:
@@ -283,6 +304,10 @@ class TrialDatastore:
                         readers.remove(reader)
                 if readers and not progressed:
                     await watch.wait()
+
+
+async def _at_once(read: Callable[[], Awaitable[R]]) -> R:
+    return await read()
 
 
 class _TrialReader:

@@ -53,8 +53,8 @@ class DatastoreService(Service[DatastoreSettings]):
         super().__init__(settings)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database, self.feed)
-        self.batcher = SampleBatcher(self.store, max_samples=settings.batch_max_samples)
-        self.datastore = TrialDatastore(self.store, self.feed, self.batcher)
+        self.batcher = SampleBatcher(self.store, self.dependencies, max_samples=settings.batch_max_samples)
+        self.datastore = TrialDatastore(self.store, self.feed, self.batcher, self.dependencies)
         self.registration = DirectoryRegistration.from_settings(
             settings,
             [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE],

@@ -28,6 +28,7 @@ from shared.api import common_pb2
 from shared.endpoints import format_host
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
+from shared.supervision import Periodic
 
 GRPC_CHECK_TIMEOUT_S = 2.0
 TCP_CHECK_TIMEOUT_S = 5.0
@@ -132,34 +133,18 @@ class HealthChecker:
         self._store = store
         self._interval_ns = int(interval_s * 1e9)
         self._rounds = rounds
-        self._poll_s = min(poll_s, interval_s)
-        self._wake = asyncio.Event()
         self._limit = asyncio.Semaphore(CONCURRENT_CHECKS)
-        self._task: asyncio.Task[None] | None = None
+        self._rounds_task = Periodic("directory-health-checker", self.check_due, min(poll_s, interval_s))
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="directory-health-checker")
+        self._rounds_task.start()
 
     def wake(self) -> None:
         """Check due entries now (a registration just arrived) rather than at the next poll."""
-        self._wake.set()
+        self._rounds_task.wake()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                while await self.check_due():
-                    pass
-            except Exception as error:  # keep checking after a database hiccup
-                log.warning("health check round failed", error=str(error))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll_s)
-            self._wake.clear()
+        await self._rounds_task.stop()
 
     async def check_due(self) -> int:
         """Check one batch of due entries; returns how many were checked."""

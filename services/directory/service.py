@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +18,7 @@ from shared.logging import get_logger
 from shared.runtime import ServiceRuntime
 from shared.server import Service
 from shared.settings import ServerSettings, server_options
+from shared.supervision import Periodic
 
 DEFAULT_PORT = 9005
 ENV_PREFIX = "COGMENT_DIRECTORY"
@@ -100,7 +99,9 @@ class DirectoryService(Service[DirectorySettings]):
         super().__init__(settings)
         self.store = DirectoryStore(self.database)
         self.checker = HealthChecker(self.store, settings.health_check_interval)
-        self._maintenance_task: asyncio.Task[None] | None = None
+        self._maintenance = Periodic("directory-maintenance", self._maintain, MAINTENANCE_PERIOD_S)
+        # The entry count when the planner's statistics were last refreshed.
+        self._analyzed_at_count: int | None = None
         self.directory: Directory | None = None
 
     @property
@@ -131,7 +132,7 @@ class DirectoryService(Service[DirectorySettings]):
         runtime.add_status("nb_entries", nb_entries)
         runtime.add_status("load_balancing", load_balancing)
         self.checker.start()
-        self._maintenance_task = asyncio.get_running_loop().create_task(self._maintain())
+        self._maintenance.start()
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         assert self.directory is not None, "start() comes first"
@@ -141,10 +142,7 @@ class DirectoryService(Service[DirectorySettings]):
 
     async def stop(self) -> None:
         await self.checker.stop()
-        if self._maintenance_task is not None:
-            self._maintenance_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintenance_task
+        await self._maintenance.stop()
 
     async def _maintain(self) -> None:
         """Publish the entry gauges and keep the planner's statistics current.
@@ -153,18 +151,12 @@ class DirectoryService(Service[DirectorySettings]):
         burst of registrations (a fresh deployment, a restart of many services) autovacuum can
         take a minute to notice, during which inquiries would scan every entry.
         """
-        analyzed_at_count: int | None = None
-        while True:
-            try:
-                total, unhealthy = await self.store.count_healthy()
-                entries_gauge.labels("healthy").set(total - unhealthy)
-                entries_gauge.labels("unhealthy").set(unhealthy)
-                if self.database.is_postgresql and (
-                    analyzed_at_count is None
-                    or abs(total - analyzed_at_count) > STATISTICS_DRIFT * max(analyzed_at_count, 100)
-                ):
-                    await self.store.refresh_statistics()
-                    analyzed_at_count = total
-            except Exception as error:  # keep maintaining after a database hiccup
-                log.warning("directory maintenance failed", error=str(error))
-            await asyncio.sleep(MAINTENANCE_PERIOD_S)
+        total, unhealthy = await self.store.count_healthy()
+        entries_gauge.labels("healthy").set(total - unhealthy)
+        entries_gauge.labels("unhealthy").set(unhealthy)
+        analyzed = self._analyzed_at_count
+        if self.database.is_postgresql and (
+            analyzed is None or abs(total - analyzed) > STATISTICS_DRIFT * max(analyzed, 100)
+        ):
+            await self.store.refresh_statistics()
+            self._analyzed_at_count = total

@@ -21,8 +21,10 @@ from services.model_registry.blobstore import BlobStore, BlobStoreError
 from services.model_registry.hot_versions import HotVersions
 from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo, VersionRecord
 from services.model_registry.store import RegistryStore, model_changes_key, model_key
+from shared.dependencies import Dependencies
 from shared.errors import InvalidArgument, NotFound
 from shared.logging import get_logger
+from shared.supervision import FailureStreak, Periodic
 from shared.validation import MAX_INT32_POSITION, parse_handle, quoted
 
 # Downloads of a deleted or evicted version get this long to finish before its blob goes.
@@ -54,23 +56,22 @@ class ModelRegistry:
         cache_max_items: int,
         chunk_size: int,
         data_cache_bytes: int = 0,
+        dependencies: Dependencies | None = None,
     ) -> None:
         self._store = store
         self._blobs = blobs
         self.cache_max_items = cache_max_items
         self.chunk_size = chunk_size
         self._hot = HotVersions(data_cache_bytes)
+        self._dependencies = dependencies or Dependencies([])
         self._watches: dict[str, _ModelWatch] = {}
-        self._gc_task: asyncio.Task[None] | None = None
+        self._collector = Periodic("registry-garbage-collector", self._collect_step, GARBAGE_PERIOD_S)
 
     def start(self) -> None:
-        self._gc_task = asyncio.get_running_loop().create_task(self._collect_forever(), name="registry-gc")
+        self._collector.start()
 
     async def stop(self) -> None:
-        if self._gc_task is not None:
-            self._gc_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._gc_task
+        await self._collector.stop()
 
     # ---- models ----
 
@@ -148,12 +149,15 @@ class ModelRegistry:
         return info
 
     async def _evict_transient(self) -> None:
-        # The version is stored: a failure here must not fail its upload (the next one retries).
+        # The version is stored: a failure here must not fail its upload (the collector retries).
         try:
-            evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
+            await self.evict_transient()
         except Exception as error:
-            log.warning("could not evict transient versions", error=str(error))
-            return
+            log.warning("could not evict transient versions, will retry", error=str(error))
+
+    async def evict_transient(self) -> None:
+        """Evict the transient versions beyond `cache_max_items`, least recently used first."""
+        evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
         if evicted:
             log.debug("transient versions evicted", versions=evicted)
 
@@ -218,7 +222,7 @@ class ModelRegistry:
             raise NotFound(f"unknown model id [{quoted(model_id)}]")
         watch = self._watches.get(model_id)
         if watch is None:
-            watch = self._watches[model_id] = _ModelWatch(self._store, model_id)
+            watch = self._watches[model_id] = _ModelWatch(self._store, self._dependencies, model_id)
         watch.streams += 1
         try:
             sent = 0
@@ -229,7 +233,9 @@ class ModelRegistry:
                 if latest is None:
                     return  # the model was deleted
                 for number in range(sent + 1, latest + 1) if sent else [latest]:
-                    record = await self._store.get_version(model_id, number)
+                    record = await self._dependencies.ride_out(
+                        functools.partial(self._store.get_version, model_id, number)
+                    )
                     if record is not None:  # evicted or deleted meanwhile: skipped
                         yield record.info
                 sent = latest
@@ -255,22 +261,22 @@ class ModelRegistry:
             await self._store.return_garbage(failed, _after(GARBAGE_PERIOD_S * 6))
         return len(keys) - len(failed)
 
-    async def _collect_forever(self) -> None:
-        while True:
-            try:
-                while await self.collect_garbage() >= GARBAGE_BATCH:
-                    pass
-                await self._blobs.cleanup_incomplete(STALE_UPLOAD_S)
-            except Exception as error:  # keep collecting after a storage hiccup
-                log.warning("garbage collection failed", error=str(error))
-            await asyncio.sleep(GARBAGE_PERIOD_S)
+    async def _collect_step(self) -> bool:
+        """One round of the collector: blobs whose time has come, uploads abandoned by a crash,
+        and evictions a failure left undone. True while there is more garbage than a batch."""
+        if await self.collect_garbage() >= GARBAGE_BATCH:
+            return True
+        await self._blobs.cleanup_incomplete(STALE_UPLOAD_S)
+        await self.evict_transient()
+        return False
 
 
 class _ModelWatch:
     """The latest version number of one model, kept current for the streams that follow it."""
 
-    def __init__(self, store: RegistryStore, model_id: str) -> None:
+    def __init__(self, store: RegistryStore, dependencies: Dependencies, model_id: str) -> None:
         self.store = store
+        self.dependencies = dependencies
         self.model_id = model_id
         self.latest: int | None = 0
         self.changed = asyncio.Condition()
@@ -279,13 +285,16 @@ class _ModelWatch:
 
     async def _follow(self) -> None:
         # Watching before reading: a version committed in between still wakes the loop.
+        streak = FailureStreak("following a model's versions", model_id=self.model_id)
         with self.store.feed.watch([model_changes_key(self.model_id)]) as changes:
             while True:
                 try:
                     latest = await self.store.latest_number(self.model_id)
-                except Exception as error:  # keep following after a database hiccup
-                    log.warning("could not read the latest version", model_id=self.model_id, error=str(error))
+                except Exception as error:  # keep following: the streams ride the outage out
+                    streak.failed(error)
+                    self.dependencies.suspect()
                 else:
+                    streak.succeeded()
                     if latest != self.latest:
                         async with self.changed:
                             self.latest = latest

@@ -9,17 +9,18 @@ from pathlib import Path
 
 import grpc
 
-from services.model_registry.blobstore import BlobStore, LocalBlobStore, S3BlobStore
+from services.model_registry.blobstore import BlobStore, BlobStoreError, LocalBlobStore, S3BlobStore
 from services.model_registry.core import ModelRegistry
 from services.model_registry.servicer import ModelRegistryServicer, add_model_registry_servicer
 from services.model_registry.store import RegistryStore
 from shared.api import directory_pb2, model_registry_pb2
 from shared.config import Option, non_negative_int, parse_bool
+from shared.dependencies import Dependency
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
 from shared.runtime import ServiceRuntime
-from shared.server import Service
+from shared.server import Service, StartupError
 from shared.settings import ServerSettings, server_options
 
 DEFAULT_PORT = 9002
@@ -111,7 +112,9 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
             cache_max_items=settings.cache_max_items,
             chunk_size=settings.sent_version_chunk_size,
             data_cache_bytes=settings.data_cache_bytes,
+            dependencies=self.dependencies,
         )
+        self.dependencies.add(Dependency("blob store", self.blobs.probe))
         self.registration = DirectoryRegistration.from_settings(
             settings,
             [directory_pb2.MODEL_REGISTRY_SERVICE],
@@ -127,7 +130,10 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
         log.info("opening storage", database=self.database.display_url, blobs=self.blobs.description)
         await self.database.migrate()
         await self.feed.start()
-        await self.blobs.start()
+        try:
+            await self.blobs.start()
+        except BlobStoreError as error:  # unreachable, refused credentials: the operator's to fix
+            raise StartupError(str(error)) from error
         self.registry.start()
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:

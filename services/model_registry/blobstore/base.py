@@ -287,6 +287,15 @@ class BlobStore(abc.ABC):
         """Create the directory / bucket if missing; raise a BlobStoreError saying what is wrong
         (unreachable server, rejected credentials...) if the store cannot be used."""
 
+    async def probe(self) -> None:
+        """Raises if the store cannot be used right now (see shared.dependencies)."""
+        with _backend_errors(f"reaching {self.description}"):
+            await self._run(self._probe)
+
+    @abc.abstractmethod
+    def _probe(self) -> None:
+        """(In a thread.) A cheap request that fails when the backend is away."""
+
     async def open_upload(self, key: str) -> BlobUpload:
         validate_key(key)
         with _backend_errors(f"starting an upload of {key!r} to {self.description}"):

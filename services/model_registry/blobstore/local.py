@@ -159,6 +159,9 @@ class LocalBlobStore(BlobStore):
         except OSError as error:
             raise BlobStoreError(f"cannot use {self.description} for blobs: {error}") from error
 
+    def _probe(self) -> None:
+        self._incomplete.stat()
+
     def _path(self, key: str) -> Path:
         return self.root / validate_key(key)
 

@@ -80,6 +80,9 @@ class MemoryBlobStore(BlobStore):
     async def start(self) -> None:
         """Nothing to create or reach."""
 
+    def _probe(self) -> None:
+        """Memory is always there."""
+
     async def _open_upload(self, key: str) -> BlobUpload:
         upload_id = next(self._ids)
         self._incomplete[upload_id] = _Held()

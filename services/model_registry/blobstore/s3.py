@@ -302,6 +302,9 @@ class S3BlobStore(BlobStore):
     def _object_name(self, key: str) -> str:
         return self.prefix + validate_key(key)
 
+    def _probe(self) -> None:
+        self._client.bucket_exists(self.bucket)
+
     def _ensure_bucket(self) -> None:
         from minio.error import S3Error
 

@@ -1,0 +1,130 @@
+"""Background work that never dies silently, and never leaves a service half-alive.
+
+`Supervised` runs a coroutine function as a task and starts it again when it fails; `Periodic`
+runs a step every period (or at once when woken) and keeps going when a step fails. Either way a
+streak of failures is logged once when it starts (with its cause; a bug's traceback once) and once
+when it ends (`FailureStreak`), and retries back off, doubling up to BACKOFF_MAX_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from shared.errors import classify
+from shared.logging import get_logger
+
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+log = get_logger("shared.supervision")
+
+
+def backoff_delay(failures: int) -> float:
+    """Seconds to wait after the `failures`-th failure in a row (1, 2, ...)."""
+    return min(BACKOFF_INITIAL_S * float(2 ** max(failures - 1, 0)), BACKOFF_MAX_S)
+
+
+class FailureStreak:
+    """Failures of one piece of work in a row: logged when the streak starts and when it ends,
+    not once per failure."""
+
+    def __init__(self, what: str, **fields: Any) -> None:
+        self.what = what
+        self.fields = fields
+        self.failures = 0
+        self._since = 0.0
+
+    def failed(self, error: BaseException) -> float:
+        """Count a failure; returns how long to wait before the next try."""
+        self.failures += 1
+        if self.failures == 1:
+            self._since = time.monotonic()
+            # A dependency's failure is expected in operation: its message says enough. Anything
+            # else is a bug, whose traceback is wanted once.
+            bug = classify(error) is None
+            log.warning(
+                f"{self.what} failed, retrying",
+                error=str(error) or type(error).__name__,
+                exc_info=error if bug else None,
+                **self.fields,
+            )
+        return backoff_delay(self.failures)
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.info(
+                f"{self.what} works again",
+                failures=self.failures,
+                seconds=round(time.monotonic() - self._since, 3),
+                **self.fields,
+            )
+            self.failures = 0
+
+
+class Supervised:
+    """`work()` as a task, started again (after a backoff) whenever it fails."""
+
+    def __init__(self, name: str, work: Callable[[], Awaitable[None]]) -> None:
+        self.name = name
+        self._work = work
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+
+    async def join(self) -> None:
+        """Wait until `work` returned (it is not started again after it returned)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        streak = FailureStreak(self.name)
+        while True:
+            started = time.monotonic()
+            try:
+                await self._work()
+                return
+            except Exception as error:
+                if time.monotonic() - started > BACKOFF_MAX_S:
+                    streak.succeeded()  # it ran a while: a new failure, not the same streak
+                await asyncio.sleep(streak.failed(error))
+
+
+class Periodic(Supervised):
+    """`step()` every `period_s`, or at once after `wake()`; a step that returns True (more to
+    do: any true value) is run again at once. A failing step is retried with backoff."""
+
+    def __init__(self, name: str, step: Callable[[], Awaitable[object]], period_s: float) -> None:
+        super().__init__(name, self._loop)
+        self._step = step
+        self.period_s = period_s
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    async def _loop(self) -> None:
+        streak = FailureStreak(self.name)
+        while True:
+            try:
+                while await self._step():
+                    pass
+            except Exception as error:
+                delay = streak.failed(error)
+            else:
+                streak.succeeded()
+                delay = self.period_s
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), delay)
+            self._woken.clear()
