@@ -29,6 +29,7 @@ from shared.supervision import FailureStreak
 # PostgreSQL refuses payloads of 8000 bytes or more.
 MAX_PAYLOAD = 7000
 SQLITE_POLL_PERIOD_S = 0.5
+MAX_RECONNECT_DELAY_S = 0.5
 POSTGRESQL_SAFETY_PERIOD_S = 5.0
 
 
@@ -141,7 +142,8 @@ class ChangeFeed:
                     async for notification in connection.notifies():
                         self.wake(notification.payload.split(","))
             except (psycopg.Error, OSError) as error:
-                delay = streak.failed(error)
+                # Retried often: until it is back, other replicas' writes reach readers late.
+                delay = min(streak.failed(error), MAX_RECONNECT_DELAY_S)
                 self.listening.set()  # start-up must not hang on an unreachable database
                 await asyncio.sleep(delay)
 

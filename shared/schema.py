@@ -179,6 +179,10 @@ datastore_trials = Table(
     Column("ended", Boolean, nullable=False, default=False),
     # The ingestion stream closed: live readers stop once they have every sample, ENDED or not.
     Column("closed", Boolean, nullable=False, default=False),
+    # While an ingestion stream is open, its process renews this lease (ns); a trial whose lease
+    # expired lost its stream with its process, and any replica closes it. 0: no open stream.
+    Column("lease_until", BigInteger, nullable=False, default=0, server_default=text("0")),
+    Index(None, "lease_until"),
     sqlite_autoincrement=True,
 )
 

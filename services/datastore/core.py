@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from services.datastore.batcher import SampleBatcher, TrialMissing
 from services.datastore.conversion import DatalogConverter
+from services.datastore.leases import IngestionLeases
 from services.datastore.model import ENDED, NO_STATE, TrialRecord
 from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
@@ -58,6 +59,8 @@ class Ingestion:
         self._converter = converter
         self._buffer = datastore.batcher.open(trial.trial_seq)
         self._saw_ended = trial.ended
+        self._leases = datastore.leases
+        self._leases.hold(trial.trial_seq)
 
     def ingest_datalog(
         self, requests: AsyncIterator[R], sample_of: Callable[[R], datalog_pb2.DatalogSample]
@@ -151,9 +154,13 @@ class Ingestion:
             )
         buffer = self._buffer
         buffer.close()
-        while not buffer.closed and buffer.failure is None:
-            await buffer.progressed.wait()
-            buffer.progressed.clear()
+        try:
+            while not buffer.closed and buffer.failure is None:
+                await buffer.progressed.wait()
+                buffer.progressed.clear()
+        finally:
+            # Not renewed any more: if the close could not be written, the lease closes the trial.
+            self._leases.release(self.trial.trial_seq)
 
 
 class TrialDatastore:
@@ -162,11 +169,13 @@ class TrialDatastore:
         store: DatastoreStore,
         feed: ChangeFeed,
         batcher: SampleBatcher,
+        leases: IngestionLeases,
         dependencies: Dependencies | None = None,
     ) -> None:
         self.store = store
         self.feed = feed
         self.batcher = batcher
+        self.leases = leases
         # Streams (live readers, a waiting RetrieveTrials, a datalog being opened) ride out a
         # database outage; a unary call answers UNAVAILABLE at once.
         self.ride_out = (dependencies or Dependencies([])).ride_out
@@ -183,7 +192,14 @@ class TrialDatastore:
         checked_text(user_id, "user ids")
         data = params.SerializeToString()
         upsert = functools.partial(
-            self.store.upsert_trial, trial_id, user_id, data, params.properties, time.time_ns(), reopen=reopen
+            self.store.upsert_trial,
+            trial_id,
+            user_id,
+            data,
+            params.properties,
+            time.time_ns(),
+            reopen=reopen,
+            lease_until_ns=self.leases.until(),
         )
         # A datalog stream is opened by a trial that is starting: it waits for the database.
         seq = await (self.ride_out(upsert) if reopen else upsert())

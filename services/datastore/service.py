@@ -9,10 +9,11 @@ import grpc
 
 from services.datastore.batcher import DEFAULT_MAX_SAMPLES, SampleBatcher
 from services.datastore.core import TrialDatastore
+from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
 from services.datastore.servicer import add_datastore_servicers
 from services.datastore.store import DatastoreStore
 from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2
-from shared.config import Option, positive_int
+from shared.config import Option, positive_float, positive_int
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
@@ -29,6 +30,9 @@ OPTIONS: list[Option] = [
     Option("batch_max_samples", "ingested samples written per transaction at most (samples arriving "
            "while one commits share the next)", DEFAULT_MAX_SAMPLES, f"{ENV_PREFIX}_BATCH_MAX_SAMPLES",
            positive_int),
+    Option("ingestion_lease", "seconds after which a trial whose ingesting process died (its "
+           "stream never closed) is closed as interrupted, by any replica", DEFAULT_LEASE_S,
+           f"{ENV_PREFIX}_INGESTION_LEASE", positive_float),
     *registration_options("TRIAL_DATASTORE"),
 ]  # fmt: skip
 
@@ -38,6 +42,7 @@ class DatastoreSettings(ServerSettings, RegistrationSettings):
     """The values of OPTIONS."""
 
     batch_max_samples: int
+    ingestion_lease: float
 
 
 log = get_logger("datastore")
@@ -54,7 +59,8 @@ class DatastoreService(Service[DatastoreSettings]):
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database, self.feed)
         self.batcher = SampleBatcher(self.store, self.dependencies, max_samples=settings.batch_max_samples)
-        self.datastore = TrialDatastore(self.store, self.feed, self.batcher, self.dependencies)
+        self.leases = IngestionLeases(self.store, settings.ingestion_lease)
+        self.datastore = TrialDatastore(self.store, self.feed, self.batcher, self.leases, self.dependencies)
         self.registration = DirectoryRegistration.from_settings(
             settings,
             [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE],
@@ -75,6 +81,7 @@ class DatastoreService(Service[DatastoreSettings]):
         await self.database.migrate()
         await self.feed.start()
         self.batcher.start()
+        self.leases.start()
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         add_datastore_servicers(server, runtime, self.datastore)
@@ -86,5 +93,6 @@ class DatastoreService(Service[DatastoreSettings]):
         await self.registration.stop()
 
     async def stop(self) -> None:
+        await self.leases.stop()
         await self.batcher.stop()  # what was received is written
         await self.feed.stop()

@@ -17,11 +17,13 @@ from sqlalchemy import (
     Integer,
     and_,
     bindparam,
+    case,
     delete,
     exists,
     func,
     insert,
     select,
+    update,
 )
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -81,6 +83,13 @@ _READ_SAMPLES = (
 _LAST_SEQ = select(func.max(trials.c.trial_seq))
 # The row lock of this UPDATE serializes appends to one trial across replicas: sample numbers
 # are taken from the count it returns.
+_RENEW_LEASES = update(trials).where(trials.c.trial_seq.in_(bindparam("seqs", expanding=True)))
+_CLOSE_EXPIRED = (
+    update(trials)
+    .where(trials.c.lease_until > 0, trials.c.lease_until < bindparam("now"))
+    .values(closed=True, lease_until=0)
+    .returning(trials.c.trial_seq)
+)
 _DELETE_PROPERTIES = delete(properties).where(properties.c.trial_seq == bindparam("seq"))
 _INSERT_PROPERTIES = insert(properties)
 
@@ -97,7 +106,8 @@ class DatastoreStore:
         self._bump_trial = (
             f"UPDATE {trials.name} SET samples_count = samples_count + {mark}, "
             f"last_state = COALESCE({mark}, last_state), ended = (ended OR {mark}), "
-            f"closed = (closed OR {mark}) WHERE trial_seq = {mark} RETURNING samples_count"
+            f"closed = (closed OR {mark}), lease_until = CASE WHEN {mark} THEN 0 ELSE lease_until END "
+            f"WHERE trial_seq = {mark} RETURNING samples_count"
         )
         self._insert_samples = (
             f"INSERT INTO {samples.name} (trial_seq, sample_seq, data) VALUES ({mark}, {mark}, {mark})"
@@ -111,6 +121,10 @@ class DatastoreStore:
                 "user_id": upsert.excluded.user_id,
                 "params": upsert.excluded.params,
                 "closed": and_(trials.c.closed, ~bindparam("reopen", type_=Boolean)),
+                "lease_until": case(
+                    (bindparam("reopen", type_=Boolean), upsert.excluded.lease_until),
+                    else_=trials.c.lease_until,
+                ),
             },
         ).returning(trials.c.trial_seq)
 
@@ -125,9 +139,11 @@ class DatastoreStore:
         now_ns: int,
         *,
         reopen: bool = False,
+        lease_until_ns: int = 0,
     ) -> int:
         """Create the trial, or replace its user id and parameters (keeping its samples).
-        Returns its `trial_seq`."""
+        Returns its `trial_seq`. `reopen`: an ingestion stream starts, holding the trial's lease
+        until `lease_until_ns`."""
         row = {
             "trial_key": trial_key(trial_id),
             "trial_id": trial_id,
@@ -138,6 +154,7 @@ class DatastoreStore:
             "last_state": 0,
             "ended": False,
             "closed": False,
+            "lease_until": lease_until_ns if reopen else 0,
             "reopen": reopen,
         }
         digests = sorted({pair_digest(name, value) for name, value in trial_properties.items()})
@@ -234,7 +251,8 @@ class DatastoreStore:
                     added = len(append.samples)
                     seq = append.trial_seq
                     cursor.execute(
-                        self._bump_trial, (added, append.last_state, append.ended, append.close, seq)
+                        self._bump_trial,
+                        (added, append.last_state, append.ended, append.close, append.close, seq),
                     )
                     row = cursor.fetchone()
                     if row is None:
@@ -251,6 +269,21 @@ class DatastoreStore:
                 cursor.close()
             transaction.changed(samples_key(append.trial_seq) for append in appends)
             return firsts
+
+        return await self.db.write(write, self.feed)
+
+    async def renew_leases(self, trial_seqs: Sequence[int], until_ns: int) -> None:
+        """The ingestion streams of these trials are still open here: hold their leases."""
+        statement = _RENEW_LEASES.values(lease_until=until_ns)
+        await self.db.write(lambda transaction: transaction.execute(statement, {"seqs": list(trial_seqs)}))
+
+    async def close_expired(self, now_ns: int) -> list[int]:
+        """Close the trials whose lease expired (their ingesting process died): returns their seqs."""
+
+        def write(transaction: Transaction) -> list[int]:
+            closed = [int(seq) for seq in transaction.execute(_CLOSE_EXPIRED, {"now": now_ns}).scalars()]
+            transaction.changed(samples_key(seq) for seq in closed)
+            return closed
 
         return await self.db.write(write, self.feed)
 

@@ -12,8 +12,8 @@ server gets SIGKILL, with samples in flight. Restarted on the same database:
   retrying would): a reader started before it gets the old samples then the new ones, and ends
   when that stream ends, whether with an ENDED sample or by closing without one.
 
-RetrieveSamples never ends for an interrupted trial (it may go on, as a crashed orchestrator's
-trial may), so stored samples are read up to the trial's `samples_count`, then the read is
+RetrieveSamples of an interrupted trial ends only once its ingestion lease expires (30 s: see
+test_outages.py), so stored samples are read up to the trial's `samples_count`, then the read is
 cancelled, after checking that nothing follows.
 """
 

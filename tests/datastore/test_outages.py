@@ -1,0 +1,194 @@
+"""The datastore through a PostgreSQL outage: ingestion keeps its samples and commits them when the
+database is back, live readers carry on, readiness goes NOT_SERVING and back, and nothing
+acknowledged is lost or repeated."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc
+from shared.api import trial_datastore_pb2 as ds
+from tests.fixtures.postgres import PostgresCluster, new_database_name
+from tests.helpers.datastore import datalog_sample, read_samples, trial_params
+from tests.helpers.running import RunningDatastore, make_datastore_factory
+from tests.helpers.services import start_service
+
+OUTAGE_S = 3.0
+WAIT_S = 20.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def health(channel: grpc.aio.Channel, service: str = "") -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=5
+    )
+    return int(reply.status)
+
+
+async def wait_for_health(channel: grpc.aio.Channel, status: int, service: str = "") -> float:
+    """Seconds until `service` reports `status`."""
+    started = time.monotonic()
+    while await health(channel, service) != status:
+        assert time.monotonic() - started < WAIT_S, f"health never became {status}"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
+class DatalogStream:
+    """One DatalogSP stream, fed sample by sample, its acknowledgements counted as they come."""
+
+    def __init__(self, datalog: datalog_pb2_grpc.DatalogSPStub, trial_id: str) -> None:
+        self.queue: asyncio.Queue[datalog_pb2.RunTrialDatalogInput | None] = asyncio.Queue()
+        self.acks = 0
+        self.acked = asyncio.Event()
+        self.call = datalog.RunTrialDatalog(self._requests(), metadata=(("trial-id", trial_id),))
+        self.reader = asyncio.create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[datalog_pb2.RunTrialDatalogInput]:
+        while (request := await self.queue.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        async for _ in self.call:
+            self.acks += 1
+            self.acked.set()
+
+    def send(self, *samples: datalog_pb2.DatalogSample, params: common_pb2.TrialParams | None = None) -> None:
+        if params is not None:
+            self.queue.put_nowait(datalog_pb2.RunTrialDatalogInput(trial_params=params))
+        for sample in samples:
+            self.queue.put_nowait(datalog_pb2.RunTrialDatalogInput(sample=sample))
+
+    async def wait_acks(self, count: int) -> float:
+        started = time.monotonic()
+        while self.acks < count:
+            assert not self.reader.done() or self.reader.exception() is None, self.reader.exception()
+            assert time.monotonic() - started < WAIT_S, f"{self.acks} acknowledgements, {count} expected"
+            self.acked.clear()
+            await asyncio.wait([asyncio.create_task(self.acked.wait()), self.reader], timeout=0.5)
+        return time.monotonic() - started
+
+    async def close(self) -> None:
+        self.queue.put_nowait(None)
+        await asyncio.wait_for(self.reader, WAIT_S)
+
+
+@pytest.fixture
+async def replicas(
+    faulty_postgres: PostgresCluster,
+) -> AsyncIterator[tuple[RunningDatastore, RunningDatastore]]:
+    url = faulty_postgres.create_database(new_database_name())
+    start = make_datastore_factory(url)
+    async with start("--outage_bound", "30") as first, start("--outage_bound", "30") as second:
+        yield first, second
+
+
+async def test_postgresql_outage_loses_nothing_and_recovers_by_itself(
+    replicas: tuple[RunningDatastore, RunningDatastore], faulty_postgres: PostgresCluster
+) -> None:
+    writer, other = replicas
+    stream = DatalogStream(writer.datalog, "t-outage")
+    stream.send(*(datalog_sample(tick) for tick in range(20)), params=trial_params())
+    await stream.wait_acks(21)
+    live = asyncio.create_task(read_samples(other, ["t-outage"]))  # a live reader on the other replica
+
+    faulty_postgres.pause()
+    await wait_for_health(writer.channel, NOT_SERVING)
+    await wait_for_health(other.channel, NOT_SERVING)
+    assert await health(writer.channel, "liveness") == SERVING  # no restarts for an outage
+    # Unary calls say what happened, with the status that tells the client to retry.
+    with pytest.raises(grpc.aio.AioRpcError) as unavailable:
+        await other.stub.RetrieveTrials(ds.RetrieveTrialsRequest(trial_ids=["t-outage"]), timeout=10)
+    assert unavailable.value.code() == grpc.StatusCode.UNAVAILABLE
+    stream.send(*(datalog_sample(tick) for tick in range(20, 40)))
+    await asyncio.sleep(OUTAGE_S)
+    assert stream.acks == 21, "acknowledged while the database was away"
+
+    faulty_postgres.resume()
+    recovered_s = await stream.wait_acks(41)
+    print(f"datastore: the held samples were committed {recovered_s:.3f} s after PostgreSQL came back")
+    await wait_for_health(writer.channel, SERVING)
+    await wait_for_health(other.channel, SERVING)
+
+    stream.send(datalog_sample(40, common_pb2.ENDED))
+    await stream.wait_acks(42)
+    await stream.close()
+    stored = await asyncio.wait_for(live, WAIT_S)
+    assert [sample.tick_id for sample in stored] == list(range(41))
+    again = await read_samples(writer, ["t-outage"])
+    assert [sample.tick_id for sample in again] == list(range(41))
+
+    # The sample writer is alive: a new trial is stored and acknowledged as usual.
+    after = DatalogStream(writer.datalog, "t-after")
+    after.send(datalog_sample(0, common_pb2.ENDED), params=trial_params())
+    await after.wait_acks(2)
+    await after.close()
+
+
+async def test_an_outage_longer_than_the_bound_fails_the_stream_with_unavailable(
+    faulty_postgres: PostgresCluster,
+) -> None:
+    url = faulty_postgres.create_database(new_database_name())
+    async with make_datastore_factory(url)("--outage_bound", "1") as datastore:
+        stream = DatalogStream(datastore.datalog, "t-long")
+        stream.send(datalog_sample(0), params=trial_params())
+        await stream.wait_acks(2)
+        faulty_postgres.pause()
+        stream.send(datalog_sample(1))
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(stream.reader, WAIT_S)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "--outage_bound" in (failed.value.details() or "")
+        faulty_postgres.resume()
+        await wait_for_health(datastore.channel, SERVING)
+        resumed = DatalogStream(datastore.datalog, "t-long")
+        resumed.send(datalog_sample(1, common_pb2.ENDED), params=trial_params())
+        await resumed.wait_acks(2)
+        await resumed.close()
+        assert [sample.tick_id for sample in await read_samples(datastore, ["t-long"])] == [0, 1]
+
+
+async def test_a_killed_ingesting_replica_leaves_no_trial_running(postgres_url: str, tmp_path: Path) -> None:
+    """kill -9 of the replica that ingests a trial: the other replica closes the trial when its
+    lease expires, so a live reader waiting there ends with every acknowledged sample."""
+    lease = ("--ingestion_lease", "1.5")
+    args = ["--database_url", postgres_url, "--log_level", "info", *lease]
+    with await asyncio.to_thread(start_service, "services.datastore", args, log_dir=tmp_path) as doomed:
+        async with (
+            make_datastore_factory(postgres_url)(*lease) as survivor,
+            grpc.aio.insecure_channel(doomed.address) as channel,
+        ):
+            stream = DatalogStream(datalog_pb2_grpc.DatalogSPStub(channel), "t-killed")
+            stream.send(*(datalog_sample(tick) for tick in range(30)), params=trial_params())
+            await stream.wait_acks(31)
+            live = asyncio.create_task(read_samples(survivor, ["t-killed"]))
+            await asyncio.sleep(0.5)
+            assert not live.done(), "the reader ended while the trial was being ingested"
+            doomed.process.send_signal(signal.SIGKILL)
+            started = time.monotonic()
+            stored = await asyncio.wait_for(live, WAIT_S)
+            closed_s = time.monotonic() - started
+            print(f"datastore: the killed replica's trial was closed {closed_s:.3f} s after the kill")
+            assert [sample.tick_id for sample in stored] == list(range(30))
+            (info,) = (
+                await survivor.stub.RetrieveTrials(ds.RetrieveTrialsRequest(trial_ids=["t-killed"]))
+            ).trial_infos
+            assert info.samples_count == 30
+            # A new datalog stream reopens it, as after any interruption.
+            resumed = DatalogStream(survivor.datalog, "t-killed")
+            resumed.send(datalog_sample(30, common_pb2.ENDED), params=trial_params())
+            await resumed.wait_acks(2)
+            await resumed.close()
+            assert [sample.tick_id for sample in await read_samples(survivor, ["t-killed"])] == list(
+                range(31)
+            )
+            stream.reader.cancel()
