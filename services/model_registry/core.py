@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from services.model_registry.blobstore import BlobStore, BlobStoreError
+from services.model_registry.blobstore import BlobStore, BlobStoreError, DigestMismatch
 from services.model_registry.hot_versions import HotVersions
 from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo, VersionRecord
 from services.model_registry.store import RegistryStore, model_changes_key, model_key
@@ -123,13 +123,14 @@ class ModelRegistry:
                     "stream ended while having not received the expected data, "
                     f"expected {header.data_size} bytes, received {received} bytes"
                 )
-            size, data_hash = await upload.commit()
-        if header.data_hash and header.data_hash != data_hash:
-            await self._discard(blob_key)
-            raise InvalidArgument(
-                f'received data did not match the expected hash, expected "{quoted(header.data_hash)}", '
-                f'received "{data_hash}"'
-            )
+            try:
+                # Checked before the blob is published: rejected data never becomes an object.
+                size, data_hash = await upload.commit(header.data_hash)
+            except DigestMismatch as mismatch:
+                raise InvalidArgument(
+                    f'received data did not match the expected hash, expected "{quoted(header.data_hash)}", '
+                    f'received "{mismatch.actual}"'
+                ) from None
         now = time.time_ns()
         info = await self._store.commit_version(
             header.model_id,
@@ -160,11 +161,6 @@ class ModelRegistry:
         evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
         if evicted:
             log.debug("transient versions evicted", versions=evicted)
-
-    async def _discard(self, blob_key: str) -> None:
-        # The garbage row recorded at the start stays: the collector retries if this fails.
-        with contextlib.suppress(BlobStoreError):
-            await self._blobs.delete(blob_key)
 
     async def resolve(self, model_id: str, number: int) -> VersionRecord:
         """The version `number` of the model: -1 is the latest, -n the n-th to last."""

@@ -29,6 +29,7 @@ from services.model_registry.blobstore import (
     BlobStore,
     BlobStoreError,
     BlobStoreUnavailable,
+    DigestMismatch,
     InvalidBlobKey,
     LocalBlobStore,
     MemoryBlobStore,
@@ -494,3 +495,40 @@ async def test_backend_failures_are_classified_for_every_service(
         await get_chunks(unreachable, "versions/a/1", MiB)
     assert isinstance(classify(away.value), Unavailable)
     await unreachable.close()
+
+
+@pytest.mark.parametrize("size", [1000, 2 * PART + 1], ids=["one-piece", "multipart"])
+async def test_a_digest_mismatch_publishes_nothing(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """The digest is checked before the blob is made visible: a rejected upload never becomes a
+    file or an object, not even for a moment (the publishing step is never reached)."""
+    published: list[str] = []
+    if harness.kind == "local":
+        monkeypatch.setattr(local._LocalUpload, "_publish", lambda upload: published.append(upload.key))
+    elif harness.kind == "s3":
+        assert isinstance(harness.store, S3BlobStore)
+        if size > PART:
+            monkeypatch.setattr(
+                harness.store, "_complete_multipart", lambda *args: published.append("multipart")
+            )
+        else:  # (minio uploads parts through _put_object too)
+            monkeypatch.setattr(
+                harness.store._client, "_put_object", lambda *args: published.append("object")
+            )
+    data = payload(size)
+    upload = await harness.store.open_upload("versions/mismatch/1")
+    for chunk in split(data, [MiB]):
+        await upload.write(chunk)
+    with pytest.raises(DigestMismatch) as mismatch:
+        await upload.commit(sha256_b64(b"something else"))
+    assert mismatch.value.actual == sha256_b64(data)
+    await upload.abort()
+    assert published == []
+    assert harness.stored() == []
+    # The same bytes with their own digest are published.
+    upload = await harness.store.open_upload("versions/mismatch/2")
+    await upload.write(data)
+    monkeypatch.undo()
+    assert await upload.commit(sha256_b64(data)) == (size, sha256_b64(data))
+    assert b"".join(await get_chunks(harness.store, "versions/mismatch/2", MiB)) == data

@@ -12,6 +12,7 @@ from services.model_registry.blobstore.base import (
     BlobStoreError,
     BlobStoreUnavailable,
     BlobUpload,
+    DigestMismatch,
     InvalidBlobKey,
     validate_key,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "BlobStoreError",
     "BlobStoreUnavailable",
     "BlobUpload",
+    "DigestMismatch",
     "InvalidBlobKey",
     "LocalBlobStore",
     "MemoryBlobStore",

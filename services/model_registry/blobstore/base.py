@@ -22,6 +22,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -51,6 +52,15 @@ class BlobNotFound(BlobStoreError):
 class BlobStoreUnavailable(BlobStoreError, DependencyError):
     """The backend could not serve the request (unreachable server, I/O error): callers answer
     UNAVAILABLE, or RESOURCE_EXHAUSTED when the cause is a full disk (see shared.errors)."""
+
+
+class DigestMismatch(BlobStoreError):
+    """The uploaded bytes are not the ones expected: the upload was aborted, nothing published."""
+
+    def __init__(self, expected: str, actual: str) -> None:
+        super().__init__(f"SHA-256 {actual} where {expected} was expected")
+        self.expected = expected
+        self.actual = actual
 
 
 class InvalidBlobKey(BlobStoreError, ValueError):
@@ -180,8 +190,9 @@ class BlobUpload(abc.ABC):
             raise
         self._size += len(chunk)
 
-    async def commit(self) -> tuple[int, str]:
+    async def commit(self, expected_digest: str = "") -> tuple[int, str]:
         """Make the blob durable and visible; returns (size, SHA-256 in standard padded base64).
+        With `expected_digest`, bytes of another digest are never published: DigestMismatch.
         On failure everything written is removed before the error is raised."""
         if self._abort_task is not None:
             raise BlobStoreError(f"upload of {self.key!r} was aborted")
@@ -189,7 +200,7 @@ class BlobUpload(abc.ABC):
             if self._failed:
                 await self.abort()
                 raise BlobStoreError(f"upload of {self.key!r} failed earlier: aborted")
-            self._commit_task = asyncio.ensure_future(self._commit_or_discard())
+            self._commit_task = asyncio.ensure_future(self._commit_or_discard(expected_digest))
         result = await asyncio.shield(self._commit_task)
         self._commit_returned = True
         return result
@@ -214,8 +225,9 @@ class BlobUpload(abc.ABC):
     async def _write(self, chunk: bytes) -> None: ...
 
     @abc.abstractmethod
-    async def _commit(self) -> None:
-        """Store what is left, make the blob visible; every byte has gone through the hasher."""
+    async def _commit(self, check: Callable[[], None]) -> None:
+        """Store what is left, then call `check()` (every byte has gone through the hasher by
+        then; it raises when they are not the expected ones), then make the blob visible."""
 
     @abc.abstractmethod
     async def _discard(self) -> None:
@@ -241,10 +253,16 @@ class BlobUpload(abc.ABC):
                     future.exception()  # retrieved here: reported by whoever awaited the work
         self._work.clear()
 
-    async def _commit_or_discard(self) -> tuple[int, str]:
+    def _check_digest(self, expected: str) -> None:
+        if expected:
+            actual = _encode_digest(self._hasher)
+            if actual != expected:
+                raise DigestMismatch(expected, actual)
+
+    async def _commit_or_discard(self, expected_digest: str) -> tuple[int, str]:
         try:
             with _backend_errors(f"committing blob {self.key!r}"):
-                await self._commit()
+                await self._commit(functools.partial(self._check_digest, expected_digest))
         except BaseException:
             await self._quietly(self._discard(), "removing a failed upload")
             raise

@@ -9,6 +9,7 @@ import secrets
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from services.model_registry.blobstore.base import (
@@ -86,11 +87,12 @@ class _LocalUpload(BlobUpload):
             self._hasher.update(piece)
         _write_all(self._fd, pieces)
 
-    async def _commit(self) -> None:
+    async def _commit(self, check: Callable[[], None]) -> None:
         await self._hand_over()
         if self._writing is not None:
             await _result(self._writing)
             self._writing = None
+        check()
         self._publishing = True
         await _result(self._submit(self._publish))
         self._store._active.pop(self._temp_path.name, None)

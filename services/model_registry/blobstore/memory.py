@@ -8,6 +8,7 @@ import io
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.model_registry.blobstore.base import BlobNotFound, BlobStore, BlobUpload, _Source
@@ -37,7 +38,8 @@ class _MemoryUpload(BlobUpload):
         held.pieces.append(chunk)
         held.written_at = time.monotonic()
 
-    async def _commit(self) -> None:
+    async def _commit(self, check: Callable[[], None]) -> None:
+        check()
         held = self._store._incomplete[self._id]
         self._store._blobs[self.key] = b"".join(held.pieces)
         del self._store._incomplete[self._id]

@@ -9,6 +9,7 @@ import os
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, cast
 
@@ -160,20 +161,22 @@ class _S3Upload(BlobUpload):
             number,
         )
 
-    def _put_whole(self, data: memoryview) -> None:
+    def _put_whole(self, data: memoryview, check: Callable[[], None]) -> None:
         self._hasher.update(data)
+        check()
         self._store._client._put_object(
             self._store.bucket, self._name, cast(bytes, data), {"Content-Type": "application/octet-stream"}
         )
 
-    async def _commit(self) -> None:
+    async def _commit(self, check: Callable[[], None]) -> None:
         if self._upload_id is None:
             data = memoryview(self._buffer)[: self._fill] if self._buffer is not None else memoryview(b"")
-            await _result(self._submit(self._put_whole, data))
+            await _result(self._submit(self._put_whole, data, check))
         else:
             await self._send_buffer()  # the last part: parts are only sent once more data follows
             while self._in_flight:
                 await self._finish_oldest_part()
+            check()  # before completing: a multipart upload aborted leaves no object
             self._completing = True
             complete = self._store._complete_multipart
             await _result(self._submit(complete, self._name, self._upload_id, self._done_parts))
