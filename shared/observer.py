@@ -10,6 +10,7 @@ parse end the call with INVALID_ARGUMENT (grpc itself would answer UNKNOWN).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -41,6 +42,9 @@ _BEHAVIOR_ATTRIBUTES = {
     "bidi_stream": "stream_stream",
 }
 INTERNAL_ERROR_MESSAGE = "internal error (logged on the server)"
+# What is left of a failed call's request stream is read for at most this long, and this much.
+DRAIN_LIMIT_S = 2.0
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 UNDECODABLE_MESSAGE = "request is not a valid message of this method's type"
 
 
@@ -154,14 +158,36 @@ async def _admitted(request: Any, streaming: bool, context: Any) -> Any:
     return request
 
 
+async def _drain(requests: AsyncIterator[Any]) -> None:
+    """Read and drop what is left of a request stream, within DRAIN_LIMIT_S and DRAIN_LIMIT_BYTES.
+
+    A client still writing when its call ends with an error may be told INTERNAL ("Internal error
+    from Core") instead of that error: grpc's asyncio client lets a write that fails because the
+    call ended overwrite the status the server sent (grpc/grpc#36066). Once the client has sent
+    everything, it sees the real status.
+    """
+
+    async def drop() -> None:
+        received = 0
+        async for request in requests:
+            received += request.ByteSize()
+            if received > DRAIN_LIMIT_BYTES:
+                return
+
+    with contextlib.suppress(Exception):  # the stream broke, or the limit: end the call anyway
+        await asyncio.wait_for(drop(), DRAIN_LIMIT_S)
+
+
 class _ObservedCall:
     """Counts, times and logs one call, and ends it with the status of its outcome."""
 
-    __slots__ = ("context", "peer", "recorder", "started_at")
+    __slots__ = ("context", "peer", "recorder", "requests", "started_at")
 
-    def __init__(self, recorder: _CallRecorder, context: Any) -> None:
+    def __init__(self, recorder: _CallRecorder, context: Any, requests: AsyncIterator[Any] | None) -> None:
         self.recorder = recorder
         self.context = context
+        # The request stream of a client-streaming call (what is left of it is drained on errors).
+        self.requests = requests
         self.started_at = 0.0
         self.peer = ""
 
@@ -175,6 +201,8 @@ class _ObservedCall:
         code, details = _outcome(error, self.recorder, self.context)
         self.recorder.finish(code, self.started_at, details, self.peer)
         if isinstance(error, Exception) and not isinstance(error, grpc.aio.AbortError):
+            if self.requests is not None:
+                await _drain(self.requests)
             await self.context.abort(code, details)  # raises AbortError
         return False
 
@@ -183,7 +211,7 @@ def _wrap_unary_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> Any:
-        async with _ObservedCall(recorder, context):
+        async with _ObservedCall(recorder, context, request if streaming else None):
             return await behavior(await _admitted(request, streaming, context), context)
 
     return handle
@@ -193,7 +221,7 @@ def _wrap_stream_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
-        async with _ObservedCall(recorder, context):
+        async with _ObservedCall(recorder, context, request if streaming else None):
             async for response in behavior(await _admitted(request, streaming, context), context):
                 yield response
 

@@ -150,6 +150,21 @@ async def test_rejected_uploads_leave_no_version(registry: RunningRegistry) -> N
     assert (await create_version(registry, "m", data)).version_number == 1  # no gap
 
 
+async def test_an_early_rejection_reaches_a_client_that_is_still_writing(registry: RunningRegistry) -> None:
+    """The server drains what is left of a rejected request stream, so that grpc's asyncio client
+    (grpc/grpc#36066), writing chunk by chunk as the command-line client does, gets the real status
+    rather than INTERNAL "Internal error from Core"."""
+    data = secrets.token_bytes(8 * CHUNK)
+    for _ in range(20):
+        call = registry.stub.CreateVersion()
+        with pytest.raises(grpc.aio.AioRpcError) as rejected:
+            for message in chunks("unknown", data):
+                await call.write(message)
+            await call.done_writing()
+            await call
+        assert rejected.value.code() == grpc.StatusCode.NOT_FOUND, rejected.value.details()
+
+
 async def test_version_infos_paging_as_the_reference(registry: RunningRegistry) -> None:
     await create_model(registry, "m")
     for _ in range(10):
