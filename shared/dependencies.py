@@ -25,7 +25,7 @@ from shared.supervision import Supervised, backoff_delay
 
 # Probes while everything is fine (a dependency can go away while no call uses it), and while a
 # dependency is away (how soon its return is noticed).
-PROBE_PERIOD_S = 5.0
+PROBE_PERIOD_S = 2.0
 PROBE_PERIOD_AWAY_S = 0.5
 PROBE_TIMEOUT_S = 3.0
 DEFAULT_OUTAGE_BOUND_S = 30.0

@@ -3,8 +3,10 @@ S3 (SeaweedFS), and in-process services reached over real gRPC connections."""
 
 from __future__ import annotations
 
+import os
 import secrets
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,18 @@ def registry_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Registry
             "--s3_secure=false", "--s3_bucket", f"test-{secrets.token_hex(6)}",
         ]  # fmt: skip
     return make_registry_factory(*storage)
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs of this test's own (mounting needs root), unmounted afterwards: a disk that
+    fills up."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount_point = tmp_path / "volume"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=False)

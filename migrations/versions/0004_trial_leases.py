@@ -18,7 +18,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     with op.batch_alter_table("datastore_trials") as batch:
-        batch.add_column(sa.Column("lease_until", sa.BigInteger(), server_default=sa.text("0"), nullable=False))
+        batch.add_column(
+            sa.Column("lease_until", sa.BigInteger(), server_default=sa.text("0"), nullable=False)
+        )
         batch.create_index("ix_datastore_trials_lease_until", ["lease_until"])
 
 

@@ -12,35 +12,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
 from tests.fixtures.postgres import PostgresCluster, new_database_name
 from tests.helpers.datastore import datalog_sample, read_samples, trial_params
+from tests.helpers.health import NOT_SERVING, SERVING, health, wait_for_health
 from tests.helpers.running import RunningDatastore, make_datastore_factory
 from tests.helpers.services import start_service
 
 OUTAGE_S = 3.0
 WAIT_S = 20.0
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-async def health(channel: grpc.aio.Channel, service: str = "") -> int:
-    reply = await health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service=service), timeout=5
-    )
-    return int(reply.status)
-
-
-async def wait_for_health(channel: grpc.aio.Channel, status: int, service: str = "") -> float:
-    """Seconds until `service` reports `status`."""
-    started = time.monotonic()
-    while await health(channel, service) != status:
-        assert time.monotonic() - started < WAIT_S, f"health never became {status}"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
 
 
 class DatalogStream:

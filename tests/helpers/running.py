@@ -119,6 +119,7 @@ def make_datastore_factory(database_url: str) -> DatastoreFactory:
 @dataclass
 class RunningRegistry:
     service: ModelRegistryService
+    channel: grpc.aio.Channel
     stub: model_registry_pb2_grpc.ModelRegistrySPStub
 
 
@@ -132,6 +133,6 @@ def make_registry_factory(*storage: str) -> RegistryFactory:
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningRegistry]:
         async with serving(ModelRegistryService, *storage, *flags) as (service, channel):
-            yield RunningRegistry(service, model_registry_pb2_grpc.ModelRegistrySPStub(channel))
+            yield RunningRegistry(service, channel, model_registry_pb2_grpc.ModelRegistrySPStub(channel))
 
     return start

@@ -1,0 +1,145 @@
+"""The registry through outages of its database (PostgreSQL) and of its blob store (SeaweedFS):
+honest statuses meanwhile, readiness NOT_SERVING and back, VersionUpdate carrying on, nothing
+partial visible, and service resumed by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+
+from shared.api import model_registry_pb2 as mr
+from tests.fixtures.postgres import PostgresCluster, new_database_name
+from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
+from tests.helpers.digest import sha256_b64
+from tests.helpers.health import NOT_SERVING, SERVING, health, wait_for_health
+from tests.helpers.running import RunningRegistry, make_registry_factory
+
+CHUNK = 256 * 1024
+OUTAGE_S = 2.0
+WAIT_S = 30.0
+
+
+def upload_messages(model_id: str, data: bytes) -> list[mr.CreateVersionRequestChunk]:
+    info = mr.ModelVersionInfo(
+        model_id=model_id, archived=True, data_size=len(data), data_hash=sha256_b64(data)
+    )
+    return [mr.CreateVersionRequestChunk(header=mr.CreateVersionRequestChunk.Header(version_info=info))] + [
+        mr.CreateVersionRequestChunk(body=mr.CreateVersionRequestChunk.Body(data_chunk=data[i : i + CHUNK]))
+        for i in range(0, len(data), CHUNK)
+    ]
+
+
+async def upload(registry: RunningRegistry, model_id: str, data: bytes) -> int:
+    async def requests() -> AsyncIterator[mr.CreateVersionRequestChunk]:
+        for message in upload_messages(model_id, data):
+            yield message
+
+    reply = await registry.stub.CreateVersion(requests(), timeout=WAIT_S)
+    return int(reply.version_info.version_number)
+
+
+async def download(registry: RunningRegistry, model_id: str, number: int) -> bytes:
+    request = mr.RetrieveVersionDataRequest(model_id=model_id, version_number=number)
+    return b"".join(
+        [chunk.data_chunk async for chunk in registry.stub.RetrieveVersionData(request, timeout=WAIT_S)]
+    )
+
+
+async def numbers(registry: RunningRegistry, model_id: str) -> list[int]:
+    reply = await registry.stub.RetrieveVersionInfos(mr.RetrieveVersionInfosRequest(model_id=model_id))
+    return [info.version_number for info in reply.version_infos]
+
+
+async def expect_status(code: grpc.StatusCode, call: object) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await call  # type: ignore[misc]
+    assert failed.value.code() == code, failed.value.details()
+
+
+async def first_success(attempt: object, calls: Sequence[object] = ()) -> float:
+    """Seconds until `attempt()` (a coroutine function) succeeds."""
+    started = time.monotonic()
+    while True:
+        try:
+            await attempt()  # type: ignore[operator]
+            return time.monotonic() - started
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            assert time.monotonic() - started < WAIT_S, "never served again"
+            await asyncio.sleep(0.02)
+
+
+async def test_postgresql_outage(faulty_postgres: PostgresCluster, tmp_path: object) -> None:
+    url = faulty_postgres.create_database(new_database_name())
+    start = make_registry_factory("--database_url", url, "--archive_dir", str(tmp_path))
+    async with start("--outage_bound", "30") as registry:
+        await registry.stub.CreateOrUpdateModel(
+            mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id="m"))
+        )
+        first = secrets.token_bytes(3 * CHUNK)
+        assert await upload(registry, "m", first) == 1
+        updates = registry.stub.VersionUpdate(mr.VersionUpdateRequest(model_id="m"))
+        assert (await asyncio.wait_for(updates.read(), WAIT_S)).version_info.version_number == 1
+
+        faulty_postgres.pause()
+        await wait_for_health(registry.channel, NOT_SERVING)
+        assert await health(registry.channel, "liveness") == SERVING
+        await expect_status(grpc.StatusCode.UNAVAILABLE, upload(registry, "m", secrets.token_bytes(CHUNK)))
+        await expect_status(grpc.StatusCode.UNAVAILABLE, download(registry, "m", 1))
+        await asyncio.sleep(OUTAGE_S)
+
+        faulty_postgres.resume()
+        second = secrets.token_bytes(2 * CHUNK)
+        recovered_s = await first_success(lambda: upload(registry, "m", second))
+        print(f"model registry: first upload {recovered_s:.3f} s after PostgreSQL came back")
+        await wait_for_health(registry.channel, SERVING)
+        # VersionUpdate carried on through the outage: the new version, once, and nothing else.
+        assert (await asyncio.wait_for(updates.read(), WAIT_S)).version_info.version_number == 2
+        assert await numbers(registry, "m") == [1, 2]  # the refused upload left no version, no gap
+        assert await download(registry, "m", 2) == second
+        updates.cancel()
+
+
+async def test_blob_store_outage(faulty_seaweed_s3: SeaweedS3, tmp_path: object) -> None:
+    server = faulty_seaweed_s3
+    storage = [
+        "--database_url",
+        f"sqlite+aiosqlite:///{tmp_path}/registry.db",
+        "--s3_endpoint",
+        server.endpoint,
+        "--s3_bucket",
+        new_bucket_name(),
+        "--s3_access_key",
+        server.access_key,
+        "--s3_secret_key",
+        server.secret_key,
+        "--s3_secure",
+        "false",
+    ]
+    # No hot-version cache: every download reads the blob store.
+    async with make_registry_factory(*storage)("--data_cache_bytes", "0") as registry:
+        await registry.stub.CreateOrUpdateModel(
+            mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id="m"))
+        )
+        first = secrets.token_bytes(3 * CHUNK)
+        assert await upload(registry, "m", first) == 1
+
+        server.pause()
+        await wait_for_health(registry.channel, NOT_SERVING)
+        await expect_status(grpc.StatusCode.UNAVAILABLE, upload(registry, "m", secrets.token_bytes(CHUNK)))
+        await expect_status(grpc.StatusCode.UNAVAILABLE, download(registry, "m", 1))
+        assert await numbers(registry, "m") == [1]  # metadata still answers; nothing partial
+
+        server.resume()
+        recovered_s = await first_success(lambda: download(registry, "m", 1))
+        print(f"model registry: first download {recovered_s:.3f} s after SeaweedFS came back")
+        await wait_for_health(registry.channel, SERVING)
+        second = secrets.token_bytes(2 * CHUNK)
+        assert await upload(registry, "m", second) == 2
+        assert await download(registry, "m", 1) == first
+        assert await download(registry, "m", 2) == second
