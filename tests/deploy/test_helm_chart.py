@@ -56,6 +56,13 @@ OPTIONS_BY_MODULE: dict[str, list[Option]] = {
 DEFAULT_PORTS = {"directory": 9005, "model-registry": 9002, "datastore": 9003}
 HEALTH_PORT = 8081
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+
+
+def probe_target(probe: str, port: int) -> dict[str, object]:
+    """What a gRPC probe checks: readiness (and start-up) the service "", liveness "liveness"."""
+    return {"port": port, "service": "liveness"} if probe == "livenessProbe" else {"port": port}
+
+
 ENV_PREFIXES = {
     "directory": "COGMENT_DIRECTORY",
     "model-registry": "COGMENT_MODEL_REGISTRY",
@@ -230,7 +237,7 @@ def test_default_values_deploy_three_services_on_sqlite(default_manifests: list[
         # kubelet's native gRPC probes, on the plaintext health port (TLS or not).
         assert env_of(container)[f"{ENV_PREFIXES[component]}_HEALTH_PORT"]["value"] == str(HEALTH_PORT)
         for probe in PROBES:
-            assert container[probe]["grpc"] == {"port": HEALTH_PORT}, probe
+            assert container[probe]["grpc"] == probe_target(probe, HEALTH_PORT), probe
             assert "tcpSocket" not in container[probe], probe
         data = next(v for v in spec["volumes"] if v["name"] == "data")
         assert data["persistentVolumeClaim"]["claimName"] == claims[component]["metadata"]["name"]
@@ -402,7 +409,7 @@ def test_the_health_port_and_its_network_policy_rule_follow_the_values() -> None
         (container,) = pod_spec(deployment)["containers"]
         assert {"name": "health", "containerPort": 8500, "protocol": "TCP"} in container["ports"]
         assert env_of(container)[f"{ENV_PREFIXES[component]}_HEALTH_PORT"]["value"] == "8500"
-        assert all(container[probe]["grpc"] == {"port": 8500} for probe in PROBES)
+        assert all(container[probe]["grpc"] == probe_target(probe, 8500) for probe in PROBES)
     for policy in of_kind(manifests, "NetworkPolicy"):
         (rule,) = [rule for rule in policy["spec"]["ingress"] if rule["ports"][0]["port"] == "health"]
         assert rule["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
@@ -456,7 +463,7 @@ def test_scale_out_values(scale_out_manifests: list[Manifest]) -> None:
         assert env[f"{prefix}_HEALTH_PORT"]["value"] == str(HEALTH_PORT)
         assert {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"} in container["ports"]
         for probe in PROBES:
-            assert container[probe]["grpc"] == {"port": HEALTH_PORT}, probe
+            assert container[probe]["grpc"] == probe_target(probe, HEALTH_PORT), probe
         # The NetworkPolicy lets the probes reach it (kubelet probes from the node), and only the
         # release's pods and labelled clients reach the gRPC port.
         rules = {rule["ports"][0]["port"]: rule for rule in policies[component]["spec"]["ingress"]}
