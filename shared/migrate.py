@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from shared.config import Option, parse_options
 from shared.db import DEFAULT_DATA_DIR, Database, current_revision, default_database_url
+from shared.errors import classify
 from shared.logging import configure_logging, get_logger, logging_options
 
 OPTIONS = [
@@ -43,7 +44,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     configure_logging(values["log_level"], values["log_format"], values["log_file"])
     url = values["database_url"] or default_database_url(values["data_dir"], values["service"])
-    revision = asyncio.run(migrate(url))
+    try:
+        revision = asyncio.run(migrate(url))
+    except Exception as error:
+        if classify(error) is None:
+            raise  # a bug: its traceback
+        get_logger("shared.migrate").error(
+            "cannot migrate", database=Database(url).display_url, error=str(error)
+        )
+        return 1
     get_logger("shared.migrate").info(
         "schema up to date", database=Database(url).display_url, revision=revision
     )

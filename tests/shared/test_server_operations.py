@@ -785,3 +785,60 @@ async def test_version_over_the_wire(tmp_path: Path) -> None:
         assert re.fullmatch(r"2\.\d+\.\d+", versions["cogment-api"])
         assert versions["grpc"] == grpc.__version__
         assert versions["cogment-aux-directory"] == versions["cogment-aux"]
+
+
+def test_an_unreachable_database_at_start_is_one_line_and_exit_1() -> None:
+    result = run_to_exit(
+        ["--port", "0", "--database_url", "postgresql+psycopg://postgres@127.0.0.1:1/nowhere"]
+    )
+    assert result.returncode == 1
+    assert "cannot start" in result.stderr and "Connection refused" in result.stderr
+    assert "Traceback" not in result.stderr
+    migrate = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shared.migrate",
+            "--database_url",
+            "postgresql+psycopg://postgres@127.0.0.1:1/x",
+        ],
+        cwd=PROJECT_ROOT,
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert migrate.returncode == 1
+    assert "cannot migrate" in migrate.stderr and "Traceback" not in migrate.stderr
+
+
+@pytest.mark.skipif(not openssl_available(), reason="needs the openssl command to make certificates")
+def test_bad_tls_files_are_named_as_such(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not a certificate\n")
+    cases = [
+        (
+            ["--tls_cert", str(not_pem), "--tls_key", str(pki.server.key)],
+            "are not a PEM certificate and its private key",
+        ),
+        (["--tls_cert", str(pki.server.cert), "--tls_key", str(pki.client.key)], "are not a PEM certificate"),
+        (
+            [
+                "--tls_cert",
+                str(pki.server.cert),
+                "--tls_key",
+                str(pki.server.key),
+                "--tls_client_ca",
+                str(not_pem),
+            ],
+            "is not a PEM CA bundle",
+        ),
+    ]
+    for flags, message in cases:
+        result = run_to_exit(
+            ["--port", "0", "--bind_address", "127.0.0.1", *database_flags(tmp_path), *flags]
+        )
+        assert result.returncode == 1, result.stderr
+        assert message in result.stderr, result.stderr
+        assert "in use" not in result.stderr
