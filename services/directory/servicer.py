@@ -17,7 +17,7 @@ from services.directory.model import (
     Registration,
 )
 from shared.api import directory_pb2, directory_pb2_grpc
-from shared.errors import InvalidArgument, ServiceError
+from shared.errors import InvalidArgument, ServiceError, classify
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, VersionStatusMixin
 from shared.validation import checked_text
@@ -116,6 +116,10 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
                 )
                 continue
             except Exception as error:
+                if classify(error) is not None:
+                    # The database is away: a status the client retries on (a FAILED reply reads
+                    # as a refusal, and self-registering services do not retry those).
+                    raise
                 log.error("could not register service", exc_info=error)
                 yield directory_pb2.RegisterReply(
                     status=directory_pb2.RegisterReply.FAILED,
@@ -140,6 +144,8 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
                 )
                 continue
             except Exception as error:
+                if classify(error) is not None:  # as for Register
+                    raise
                 log.error("could not deregister service", exc_info=error)
                 yield directory_pb2.DeregisterReply(
                     status=directory_pb2.DeregisterReply.FAILED,
