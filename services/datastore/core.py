@@ -27,6 +27,7 @@ from shared.dependencies import Dependencies
 from shared.errors import InvalidArgument, NotFound, ServiceError, Unavailable
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
+from shared.observer import DRAIN_LIMIT_S
 from shared.validation import MAX_INT64_POSITION, checked_id, checked_text, parse_handle, quoted
 
 # Samples read per query while replaying.
@@ -81,13 +82,16 @@ class Ingestion:
         buffer = self._buffer
         read_failure: list[Exception] = []
         reading = True
+        dropping = False
 
         async def read() -> None:
             nonlocal reading
             try:
                 async for request in requests:
+                    if dropping:
+                        continue  # the call failed: what still comes is read only to be dropped
                     add(request)
-                    while buffer.in_flight >= MAX_IN_FLIGHT and buffer.failure is None:
+                    while buffer.in_flight >= MAX_IN_FLIGHT and buffer.failure is None and not dropping:
                         await room.wait()
                         room.clear()
             except Exception as error:  # a bad sample, or the stream broke: after what came before
@@ -114,6 +118,15 @@ class Ingestion:
                     if read_failure:
                         raise read_failure[0]
                     return
+        except Exception:
+            # A client still writing would be told INTERNAL instead of this error (see
+            # shared.observer's drain, which a reader cancelled mid-read would leave nothing to
+            # drain): the reader goes on, dropping what comes, until the client stops writing.
+            dropping = True
+            room.set()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reader), DRAIN_LIMIT_S)
+            raise
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -14,7 +14,7 @@ from tests.helpers.datastore import datalog_sample, list_trials, read_samples, r
 from tests.helpers.running import make_datastore_factory
 
 # Most of the volume: freeing it leaves SQLite room to checkpoint its WAL and delete.
-BALLAST_BYTES = 10 * 1024 * 1024
+BALLAST_BYTES = 12 * 1024 * 1024
 
 
 def big_sample(tick: int, state: int = common_pb2.RUNNING) -> object:
