@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -64,3 +64,23 @@ def field_one_frame(payload: bytes) -> bytes:
 def pre_encoded(frame: bytes) -> bytes:
     """Response serializer of methods that yield encoded messages."""
     return frame
+
+
+# What one reply may hold: gRPC clients (the official SDK among them) refuse messages over 4 MiB
+# by default. An unpaged listing is cut to fit, with the handle of what comes next.
+REPLY_BUDGET_BYTES = 4 * 1024 * 1024 - 16 * 1024
+# A repeated message field's tag and length, at most.
+_FIELD_OVERHEAD = 6
+
+
+def fitting_count(sizes: Iterable[int], budget: int = REPLY_BUDGET_BYTES) -> int:
+    """How many items of these encoded sizes, from the first, fit in one reply (at least one, so
+    that paging always moves on)."""
+    total = 0
+    count = 0
+    for size in sizes:
+        total += size + _FIELD_OVERHEAD
+        if total > budget:
+            return max(count, 1)
+        count += 1
+    return count

@@ -25,6 +25,7 @@ from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
 from shared.dependencies import Dependencies
 from shared.errors import InvalidArgument, NotFound, ServiceError, Unavailable
+from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.observer import DRAIN_LIMIT_S
@@ -231,12 +232,15 @@ class TrialDatastore:
         timeout_ms: int,
         count: int,
         handle: str,
+        reply_size: Callable[[TrialRecord], int] = lambda _: 0,
     ) -> tuple[list[TrialRecord], str]:
         """Trials in creation order from `handle`, at most `count` (0: all).
 
         With `timeout_ms`, waits up to that long for more matching trials until `count` is
         reached, or every requested trial was found. The next handle is the position after the
-        last returned trial when the count was reached, else the end of what was looked at.
+        last returned trial when the count was reached, else the end of what was looked at. A
+        reply holds as many trials as fit (`reply_size`: a trial's encoded size): the next handle
+        then follows the last one returned.
         """
         # trial_seq is a signed 64-bit column.
         after = parse_handle(handle, "trial_handle", MAX_INT64_POSITION)
@@ -256,6 +260,9 @@ class TrialDatastore:
                     functools.partial(self.store.list_trials, after, end, wanted_ids, properties, remaining)
                 )
                 found.extend(batch)
+                fit = fitting_count(map(reply_size, found))
+                if fit < len(found):
+                    return found[:fit], str(found[fit - 1].trial_seq)
                 if limit is not None and len(found) >= limit:
                     return found, str(found[-1].trial_seq)
                 after = end

@@ -101,6 +101,7 @@ class TrialDatastoreServicer(VersionStatusMixin):
             request.timeout,
             request.trials_count,
             request.trial_handle,
+            lambda record: trial_info_message(record).ByteSize(),
         )
         return trial_datastore_pb2.RetrieveTrialsReply(
             trial_infos=[trial_info_message(record) for record in records], next_trial_handle=handle

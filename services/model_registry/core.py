@@ -15,7 +15,8 @@ import contextlib
 import functools
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 from services.model_registry.blobstore import BlobStore, BlobStoreError, DigestMismatch
 from services.model_registry.hot_versions import HotVersions
@@ -23,6 +24,7 @@ from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo,
 from services.model_registry.store import RegistryStore, model_changes_key, model_key
 from shared.dependencies import Dependencies
 from shared.errors import InvalidArgument, NotFound
+from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.supervision import FailureStreak, Periodic
 from shared.validation import MAX_INT32_POSITION, parse_handle, quoted
@@ -35,6 +37,13 @@ GARBAGE_PERIOD_S = 10.0
 GARBAGE_BATCH = 100
 
 log = get_logger("model_registry.core")
+T = TypeVar("T")
+# The encoded size of an item in a reply (see shared.handlers.fitting_count).
+ReplySize = Callable[[T], int]
+
+
+def _unsized(_item: object) -> int:
+    return 0
 
 
 # Offsets, numbers and counts beyond this are past the end of anything stored (and would overflow
@@ -84,8 +93,10 @@ class ModelRegistry:
         log.info("model deleted", model_id=model_id)
 
     async def retrieve_models(
-        self, model_ids: Sequence[str], count: int, handle: str
+        self, model_ids: Sequence[str], count: int, handle: str, reply_size: ReplySize[ModelInfo] = _unsized
     ) -> tuple[list[ModelInfo], str]:
+        """Models from `handle`, at most `count` (0: all), and as many as fit one reply
+        (`reply_size`: an item's encoded size)."""
         offset = parse_handle(handle, "model_handle", MAX_POSITION)
         limit = clamp_count(count)
         if not model_ids:
@@ -97,6 +108,7 @@ class ModelRegistry:
             if missing:
                 raise NotFound(f'no model "{quoted(missing[0])}" found')
             models = [found[model_id] for model_id in wanted]
+        models = models[: fitting_count(map(reply_size, models))]
         return models, str(offset + len(models))
 
     # ---- versions ----
@@ -174,18 +186,36 @@ class ModelRegistry:
         return record
 
     async def retrieve_version_infos(
-        self, model_id: str, numbers: Sequence[int], count: int, handle: str
+        self,
+        model_id: str,
+        numbers: Sequence[int],
+        count: int,
+        handle: str,
+        reply_size: ReplySize[VersionInfo] = _unsized,
     ) -> tuple[list[VersionInfo], str]:
+        """Versions from `handle`, at most `count` (0: all), as many as fit one reply."""
         start = parse_handle(handle, "version_handle", MAX_POSITION)
         limit = clamp_count(count)
         if numbers:
             # As the reference: the handle is an offset into the requested numbers.
             wanted = numbers[start : None if limit is None else start + limit]
-            infos = [(await self.resolve(model_id, number)).info for number in wanted]
+            latest = await self._store.latest_number(model_id)
+            if latest is None:
+                raise NotFound(f'no model "{quoted(model_id)}" found')
+            # -1 is the latest, -n the n-th to last, as in `resolve`; all looked up at once.
+            absolute = [latest + number + 1 if number < 0 else number for number in wanted]
+            found = await self._store.get_versions(model_id, [number for number in absolute if number > 0])
+            infos = []
+            for number, version in zip(wanted, absolute, strict=True):
+                info = found.get(version)
+                if info is None:
+                    raise NotFound(f'no version "{number}" for model "{quoted(model_id)}" found')
+                infos.append(info)
         else:
             if await self._store.latest_number(model_id) is None:
                 raise NotFound(f'no model "{quoted(model_id)}" found')
             infos = await self._store.list_versions(model_id, max(start, 1), limit)
+        infos = infos[: fitting_count(map(reply_size, infos))]
         next_handle = str(infos[-1].version_number + 1) if infos else str(start)
         return infos, next_handle
 

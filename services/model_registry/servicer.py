@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from services.model_registry.core import ModelRegistry
-from services.model_registry.model import VersionHeader, VersionInfo
+from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo
 from shared.api import model_registry_pb2
 from shared.errors import InvalidArgument, NotFound
 from shared.handlers import add_servicer, field_one_frame, pre_encoded
@@ -30,6 +30,10 @@ def version_info_message(info: VersionInfo) -> model_registry_pb2.ModelVersionIn
         data_size=info.data_size,
         user_data=info.user_data,
     )
+
+
+def model_info_message(model: ModelInfo) -> model_registry_pb2.ModelInfo:
+    return model_registry_pb2.ModelInfo(model_id=model.model_id, user_data=model.user_data)
 
 
 def data_chunk_frame(chunk: bytes) -> bytes:
@@ -94,13 +98,13 @@ class ModelRegistryServicer(VersionStatusMixin):
         self, request: model_registry_pb2.RetrieveModelsRequest, context: Any
     ) -> model_registry_pb2.RetrieveModelsReply:
         models, handle = await self.registry.retrieve_models(
-            list(request.model_ids), request.models_count, request.model_handle
+            list(request.model_ids),
+            request.models_count,
+            request.model_handle,
+            lambda model: model_info_message(model).ByteSize(),
         )
         return model_registry_pb2.RetrieveModelsReply(
-            model_infos=[
-                model_registry_pb2.ModelInfo(model_id=m.model_id, user_data=m.user_data) for m in models
-            ],
-            next_model_handle=handle,
+            model_infos=[model_info_message(model) for model in models], next_model_handle=handle
         )
 
     async def CreateVersion(
@@ -137,6 +141,7 @@ class ModelRegistryServicer(VersionStatusMixin):
             list(request.version_numbers),
             request.versions_count,
             request.version_handle,
+            lambda info: version_info_message(info).ByteSize(),
         )
         return model_registry_pb2.RetrieveVersionInfosReply(
             version_infos=[version_info_message(info) for info in infos], next_version_handle=handle

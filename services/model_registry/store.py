@@ -20,7 +20,8 @@ from shared.schema import registry_blob_garbage as garbage
 from shared.schema import registry_models as models
 from shared.schema import registry_versions as versions
 
-# Model ids looked up per statement at most (SQLite caps the number of bound parameters).
+# Model ids (or version numbers) looked up per statement at most (SQLite caps the number of bound
+# parameters).
 GET_MODELS_BATCH = 500
 # Serializes evictions across replicas on PostgreSQL (any constant shared by every replica).
 EVICTION_LOCK_ID = 0x7265675F65766963
@@ -67,6 +68,10 @@ _GET_MODELS = select(models.c.model_id, models.c.user_data).where(
 _LIST_MODELS_PAGE = select(models.c.model_id, models.c.user_data)
 _GET_VERSION = select(*_VERSION_COLUMNS, versions.c.blob_key).where(
     versions.c.model_key == bindparam("key"), versions.c.version_number == bindparam("number")
+)
+_GET_VERSIONS = select(*_VERSION_COLUMNS).where(
+    versions.c.model_key == bindparam("key"),
+    versions.c.version_number.in_(bindparam("numbers", expanding=True)),
 )
 # No row: unknown model; NULL: a model without versions.
 _LATEST_NUMBER = select(
@@ -274,6 +279,18 @@ class RegistryStore:
         if not rows:
             return None
         return VersionRecord(_version_info(model_id, rows[0]), rows[0][6])
+
+    async def get_versions(self, model_id: str, numbers: Sequence[int]) -> dict[int, VersionInfo]:
+        """The existing versions among `numbers`, by number (one query per GET_MODELS_BATCH)."""
+        key = model_key(model_id)
+        wanted = sorted(set(numbers))
+        found: dict[int, VersionInfo] = {}
+        for start in range(0, len(wanted), GET_MODELS_BATCH):
+            parameters = {"key": key, "numbers": wanted[start : start + GET_MODELS_BATCH]}
+            for row in await self.db.fetch(_GET_VERSIONS, parameters):
+                info = _version_info(model_id, row)
+                found[info.version_number] = info
+        return found
 
     async def latest_number(self, model_id: str) -> int | None:
         """The highest version number; 0 for a model without versions, None for an unknown model."""

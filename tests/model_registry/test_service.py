@@ -165,6 +165,35 @@ async def test_an_early_rejection_reaches_a_client_that_is_still_writing(registr
         assert rejected.value.code() == grpc.StatusCode.NOT_FOUND, rejected.value.details()
 
 
+async def test_a_listing_too_large_for_one_reply_is_cut_with_a_next_handle(registry: RunningRegistry) -> None:
+    """Clients refuse replies over 4 MiB (the SDK among them): an unpaged listing is cut to fit,
+    and its next handle leads to the rest."""
+    big = {"blob": "x" * (1024 * 1024)}
+    for index in range(6):
+        await create_model(registry, f"m{index}", **big)
+    seen: list[str] = []
+    handle = ""
+    while True:
+        reply = await registry.stub.RetrieveModels(mr.RetrieveModelsRequest(model_handle=handle))
+        if not reply.model_infos:
+            break
+        assert 0 < len(reply.model_infos) < 6  # several replies: none over the client's limit
+        seen += [info.model_id for info in reply.model_infos]
+        handle = reply.next_model_handle
+    assert seen == [f"m{index}" for index in range(6)]
+
+
+async def test_many_version_numbers_are_resolved_at_once(registry: RunningRegistry) -> None:
+    await create_model(registry, "m")
+    for _ in range(3):
+        await create_version(registry, "m", b"data")
+    assert await infos(registry, "m", [1, -1, 2, -3] * 5000) == ([1, 3, 2, 1] * 5000, "2")
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await infos(registry, "m", [1] * 1000 + [-4])
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert 'no version "-4"' in (missing.value.details() or "")
+
+
 async def test_version_infos_paging_as_the_reference(registry: RunningRegistry) -> None:
     await create_model(registry, "m")
     for _ in range(10):
