@@ -31,8 +31,10 @@ from shared.notify import ChangeFeed
 from shared.observer import DRAIN_LIMIT_S
 from shared.validation import MAX_INT64_POSITION, checked_id, checked_text, parse_handle, quoted
 
-# Samples read per query while replaying.
+# Samples read per query while replaying: at most READ_BATCH rows, and about `read_batch_bytes`
+# (a reader sizes each batch from the samples of its previous one; its first is one sample).
 READ_BATCH = 500
+DEFAULT_READ_BATCH_BYTES = 8 * 1024 * 1024
 # Unacknowledged samples one ingestion stream may have in flight: past it, the stream stops
 # reading (gRPC flow control then slows the sender) until commits catch up.
 MAX_IN_FLIGHT = 2000
@@ -185,8 +187,11 @@ class TrialDatastore:
         batcher: SampleBatcher,
         leases: IngestionLeases,
         dependencies: Dependencies | None = None,
+        *,
+        read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
     ) -> None:
         self.store = store
+        self.read_batch_bytes = read_batch_bytes
         self.feed = feed
         self.batcher = batcher
         self.leases = leases
@@ -319,14 +324,16 @@ class TrialDatastore:
             while readers:
                 progressed = False
                 for reader in list(readers):
-                    seq = reader.trial.trial_seq
+                    seq, rows = reader.trial.trial_seq, reader.batch_rows
                     batch = await self.ride_out(
-                        functools.partial(self.store.read_samples, seq, reader.next, READ_BATCH)
+                        functools.partial(self.store.read_samples, seq, reader.next, rows)
                     )
                     reader.next += len(batch)
+                    reader.size_batches(batch, self.read_batch_bytes)
                     for data in batch:
                         yield reader.filtered(data)
-                    if len(batch) == READ_BATCH:
+                    del batch  # a reader that stops reading holds one batch, not two
+                    if reader.batch_full:
                         progressed = True
                         continue
                     progress = await self.ride_out(functools.partial(self.store.progress, seq))
@@ -350,7 +357,17 @@ class _TrialReader:
     def __init__(self, trial: TrialRecord, sample_filter: SampleFilter) -> None:
         self.trial = trial
         self.next = 0
+        # Rows of the next read, and whether the last read returned all it asked for.
+        self.batch_rows = 1
+        self.batch_full = False
         self._filter = None if sample_filter.keeps_everything else sample_filter
+
+    def size_batches(self, batch: list[bytes], budget_bytes: int) -> None:
+        """Size the next read from this one's samples."""
+        self.batch_full = len(batch) == self.batch_rows
+        if batch:
+            average = max(sum(len(data) for data in batch) // len(batch), 1)
+            self.batch_rows = max(1, min(READ_BATCH, budget_bytes // average))
 
     def filtered(self, data: bytes) -> bytes:
         if self._filter is None:

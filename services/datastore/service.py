@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.datastore.batcher import DEFAULT_MAX_SAMPLES, SampleBatcher
-from services.datastore.core import TrialDatastore
+from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
 from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
 from services.datastore.servicer import add_datastore_servicers
 from services.datastore.store import DatastoreStore
@@ -30,6 +30,9 @@ OPTIONS: list[Option] = [
     Option("batch_max_samples", "ingested samples written per transaction at most (samples arriving "
            "while one commits share the next)", DEFAULT_MAX_SAMPLES, f"{ENV_PREFIX}_BATCH_MAX_SAMPLES",
            positive_int),
+    Option("read_batch_bytes", "bytes of stored samples a replaying reader reads at once, and holds "
+           "at most while its client reads slowly (a larger sample is read alone)",
+           DEFAULT_READ_BATCH_BYTES, f"{ENV_PREFIX}_READ_BATCH_BYTES", positive_int),
     Option("ingestion_lease", "seconds after which a trial whose ingesting process died (its "
            "stream never closed) is closed as interrupted, by any replica", DEFAULT_LEASE_S,
            f"{ENV_PREFIX}_INGESTION_LEASE", positive_float),
@@ -43,6 +46,7 @@ class DatastoreSettings(ServerSettings, RegistrationSettings):
 
     batch_max_samples: int
     ingestion_lease: float
+    read_batch_bytes: int
 
 
 log = get_logger("datastore")
@@ -60,7 +64,14 @@ class DatastoreService(Service[DatastoreSettings]):
         self.store = DatastoreStore(self.database, self.feed)
         self.batcher = SampleBatcher(self.store, self.dependencies, max_samples=settings.batch_max_samples)
         self.leases = IngestionLeases(self.store, settings.ingestion_lease)
-        self.datastore = TrialDatastore(self.store, self.feed, self.batcher, self.leases, self.dependencies)
+        self.datastore = TrialDatastore(
+            self.store,
+            self.feed,
+            self.batcher,
+            self.leases,
+            self.dependencies,
+            read_batch_bytes=settings.read_batch_bytes,
+        )
         self.registration = DirectoryRegistration.from_settings(
             settings,
             [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE],
