@@ -34,6 +34,7 @@ _PROBE = text("SELECT 1")
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+CONNECT_TIMEOUT_S = 5
 # Any constant works: it only has to be the same for every replica running migrations.
 MIGRATION_LOCK_ID = 0x636F676D656E74
 
@@ -202,7 +203,13 @@ class Database:
         else:
             # No pre-ping: it costs a round trip per checkout. A connection the server dropped fails
             # one call, and SQLAlchemy then replaces the pool's connections; old ones are recycled.
-            kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
+            kwargs.update(
+                pool_size=pool_size,
+                max_overflow=pool_size,
+                pool_recycle=1800,
+                # A host that drops packets must fail a call in seconds, not the OS's minutes.
+                connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
+            )
         self.engine: AsyncEngine = create_async_engine(self.url, **kwargs)
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_on_connect)

@@ -63,6 +63,8 @@ class Dependencies:
         self._changed = asyncio.Condition()
         self._listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._watchers: list[Supervised] = []
+        # When every dependency was last seen available again (monotonic), or first watched.
+        self.ready_since = time.monotonic()
 
     @property
     def ready(self) -> bool:
@@ -163,5 +165,7 @@ class Dependencies:
         async with self._changed:
             self._changed.notify_all()
         ready = self.ready
+        if ready:
+            self.ready_since = time.monotonic()
         for listener in self._listeners:
             await listener(ready)

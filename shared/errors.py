@@ -19,6 +19,7 @@ from typing import ClassVar
 import grpc
 import psycopg
 from sqlalchemy.exc import DBAPIError, InterfaceError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 
 class ServiceError(Exception):
@@ -93,7 +94,10 @@ def _is_disk_full(error: BaseException) -> bool:
 def _is_unreachable(error: BaseException) -> bool:
     if isinstance(error, DBAPIError) and error.connection_invalidated:
         return True
-    return isinstance(error, (DependencyError, InterfaceError, psycopg.OperationalError, ConnectionError))
+    # A pool with no connection to give (TimeoutError) is a database that does not keep up.
+    return isinstance(
+        error, (DependencyError, InterfaceError, PoolTimeout, psycopg.OperationalError, ConnectionError)
+    )
 
 
 def classify(error: BaseException) -> ServiceError | None:

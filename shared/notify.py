@@ -23,7 +23,7 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from shared.db import Database
+from shared.db import CONNECT_TIMEOUT_S, Database
 from shared.supervision import FailureStreak
 
 # PostgreSQL refuses payloads of 8000 bytes or more.
@@ -133,7 +133,10 @@ class ChangeFeed:
         streak = FailureStreak("listening for changes", channel=self.channel)
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as connection:
+                connect = psycopg.AsyncConnection.connect(
+                    conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
+                )
+                async with await connect as connection:
                     await connection.execute(f'LISTEN "{self.channel}"')
                     if streak.failures:
                         streak.succeeded()

@@ -279,8 +279,8 @@ async def serve(
         await server.stop(settings.shutdown_grace)
         if health_server is not None:
             await health_server.stop(None)
+        await service.stop()  # while the dependencies are still watched: pending writes may need them
         await dependencies.stop()
-        await service.stop()
         await service.database.close()
         await load.stop()
         for sig in signals:

@@ -97,7 +97,7 @@ class Supervised:
                 return
             except Exception as error:
                 if time.monotonic() - started > BACKOFF_MAX_S:
-                    streak.succeeded()  # it ran a while: a new failure, not the same streak
+                    streak = FailureStreak(self.name)  # it ran a while: a new streak begins
                 await asyncio.sleep(streak.failed(error))
 
 

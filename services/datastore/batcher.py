@@ -163,6 +163,8 @@ class SampleBatcher:
         return batch
 
     async def _write_forever(self) -> None:
+        if self._queue:  # started again after a failure: what was queued is still to be written
+            self._ready.set()
         while True:
             await self._ready.wait()
             self._ready.clear()

@@ -24,7 +24,7 @@ from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
 from shared.dependencies import Dependencies
-from shared.errors import InvalidArgument, NotFound, ServiceError, Unavailable
+from shared.errors import InvalidArgument, NotFound
 from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
@@ -54,7 +54,9 @@ def _stored_state(state: int, out_of_sync: bool = False) -> int:
 
 
 class Ingestion:
-    """One ingestion stream of one trial."""
+    """One ingestion stream of one trial: a datalog (the orchestrator's, which closes the trial
+    when it ends, and holds its lease meanwhile), or stored samples added to a trial (AddSample,
+    which neither closes nor leases it)."""
 
     def __init__(
         self, datastore: TrialDatastore, trial: TrialRecord, converter: DatalogConverter | None
@@ -64,7 +66,8 @@ class Ingestion:
         self._buffer = datastore.batcher.open(trial.trial_seq)
         self._saw_ended = trial.ended
         self._leases = datastore.leases
-        self._leases.hold(trial.trial_seq)
+        if converter is not None:
+            self._leases.hold(trial.trial_seq)
 
     def ingest_datalog(
         self, requests: AsyncIterator[R], sample_of: Callable[[R], datalog_pb2.DatalogSample]
@@ -135,12 +138,12 @@ class Ingestion:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    def _failure(self, error: Exception) -> ServiceError:
-        if isinstance(error, ServiceError):  # the database is away, or full
-            return error
+    def _failure(self, error: Exception) -> Exception:
+        """What the stream ends with: the database's failure (away, full), the trial's deletion,
+        or a bug (INTERNAL)."""
         if isinstance(error, TrialMissing):
             return NotFound(f'trial "{quoted(self.trial.trial_id)}" was deleted')
-        return Unavailable(f"could not store the samples: {error}")
+        return error
 
     def _datalog(self, sample: datalog_pb2.DatalogSample) -> None:
         assert self._converter is not None
@@ -218,7 +221,7 @@ class TrialDatastore:
             params.properties,
             time.time_ns(),
             reopen=reopen,
-            lease_until_ns=self.leases.until(),
+            lease_until=self.leases.until,
         )
         # A datalog stream is opened by a trial that is starting: it waits for the database.
         seq = await (self.ride_out(upsert) if reopen else upsert())

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 
 from services.datastore.store import DatastoreStore
+from shared.dependencies import Dependencies
 from shared.logging import get_logger
 from shared.supervision import Periodic
 
@@ -22,12 +23,19 @@ log = get_logger("datastore.leases")
 
 
 class IngestionLeases:
-    def __init__(self, store: DatastoreStore, lease_s: float = DEFAULT_LEASE_S) -> None:
+    def __init__(
+        self,
+        store: DatastoreStore,
+        lease_s: float = DEFAULT_LEASE_S,
+        dependencies: Dependencies | None = None,
+    ) -> None:
         self._store = store
         self.lease_ns = int(lease_s * 1e9)
+        self._renew_s = lease_s / 3
+        self._dependencies = dependencies or Dependencies([])
         # Open ingestion streams here, by trial.
         self._open: Counter[int] = Counter()
-        self._keeper = Periodic("trial-leases", self._renew_and_sweep, lease_s / 3)
+        self._keeper = Periodic("trial-leases", self._renew_and_sweep, self._renew_s)
 
     def start(self) -> None:
         self._keeper.start()
@@ -52,5 +60,9 @@ class IngestionLeases:
     async def _renew_and_sweep(self) -> None:
         if self._open:
             await self._store.renew_leases(list(self._open), self.until())
+        # After a database outage, leases of live streams may have run out while no one could
+        # renew them: their owners get two renewal periods to renew before any sweep.
+        if time.monotonic() - self._dependencies.ready_since < 2 * self._renew_s:
+            return
         for trial_seq in await self._store.close_expired(time.time_ns()):
             log.warning("trial closed as interrupted: its ingesting process is gone", trial_seq=trial_seq)

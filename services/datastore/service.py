@@ -63,7 +63,7 @@ class DatastoreService(Service[DatastoreSettings]):
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database, self.feed)
         self.batcher = SampleBatcher(self.store, self.dependencies, max_samples=settings.batch_max_samples)
-        self.leases = IngestionLeases(self.store, settings.ingestion_lease)
+        self.leases = IngestionLeases(self.store, settings.ingestion_lease, self.dependencies)
         self.datastore = TrialDatastore(
             self.store,
             self.feed,

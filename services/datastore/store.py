@@ -9,7 +9,7 @@ replica look again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -20,6 +20,7 @@ from sqlalchemy import (
     case,
     delete,
     exists,
+    false,
     func,
     insert,
     select,
@@ -83,7 +84,10 @@ _READ_SAMPLES = (
 _LAST_SEQ = select(func.max(trials.c.trial_seq))
 # The row lock of this UPDATE serializes appends to one trial across replicas: sample numbers
 # are taken from the count it returns.
-_RENEW_LEASES = update(trials).where(trials.c.trial_seq.in_(bindparam("seqs", expanding=True)))
+# A closed trial keeps no lease (a renewal racing its stream's close must not re-arm one).
+_RENEW_LEASES = update(trials).where(
+    trials.c.trial_seq.in_(bindparam("seqs", expanding=True)), trials.c.closed == false()
+)
 _CLOSE_EXPIRED = (
     update(trials)
     .where(trials.c.lease_until > 0, trials.c.lease_until < bindparam("now"))
@@ -139,11 +143,11 @@ class DatastoreStore:
         now_ns: int,
         *,
         reopen: bool = False,
-        lease_until_ns: int = 0,
+        lease_until: Callable[[], int] = lambda: 0,
     ) -> int:
         """Create the trial, or replace its user id and parameters (keeping its samples).
         Returns its `trial_seq`. `reopen`: an ingestion stream starts, holding the trial's lease
-        until `lease_until_ns`."""
+        until `lease_until()` (ns, taken when the write is made)."""
         row = {
             "trial_key": trial_key(trial_id),
             "trial_id": trial_id,
@@ -154,12 +158,14 @@ class DatastoreStore:
             "last_state": 0,
             "ended": False,
             "closed": False,
-            "lease_until": lease_until_ns if reopen else 0,
+            "lease_until": 0,
             "reopen": reopen,
         }
         digests = sorted({pair_digest(name, value) for name, value in trial_properties.items()})
 
         def write(transaction: Transaction) -> int:
+            if reopen:
+                row["lease_until"] = lease_until()
             seq = int(transaction.execute(self._upsert_trial, row).scalar_one())
             transaction.execute(_DELETE_PROPERTIES, {"seq": seq})
             if digests:
@@ -275,7 +281,13 @@ class DatastoreStore:
     async def renew_leases(self, trial_seqs: Sequence[int], until_ns: int) -> None:
         """The ingestion streams of these trials are still open here: hold their leases."""
         statement = _RENEW_LEASES.values(lease_until=until_ns)
-        await self.db.write(lambda transaction: transaction.execute(statement, {"seqs": list(trial_seqs)}))
+        seqs = list(trial_seqs)
+
+        def write(transaction: Transaction) -> None:
+            for start in range(0, len(seqs), KEYS_PER_STATEMENT):
+                transaction.execute(statement, {"seqs": seqs[start : start + KEYS_PER_STATEMENT]})
+
+        await self.db.write(write)
 
     async def close_expired(self, now_ns: int) -> list[int]:
         """Close the trials whose lease expired (their ingesting process died): returns their seqs."""

@@ -88,15 +88,22 @@ def _describe(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def _is_backend_failure(error: Exception) -> bool:
+    """The file system's or the S3 client's failure (rather than a bug of ours)."""
+    return isinstance(error, OSError) or type(error).__module__.split(".")[0] in ("minio", "urllib3")
+
+
 @contextlib.contextmanager
 def _backend_errors(action: str) -> Iterator[None]:
-    """Backend failures (OSError, S3Error, urllib3 errors) surface as BlobStoreUnavailable."""
+    """Backend failures (OSError, S3Error, urllib3 errors) surface as BlobStoreUnavailable,
+    anything else (a bug) as BlobStoreError."""
     try:
         yield
     except BlobStoreError:
         raise
     except Exception as error:
-        raise BlobStoreUnavailable(f"{action}: {_describe(error)}") from error
+        kind = BlobStoreUnavailable if _is_backend_failure(error) else BlobStoreError
+        raise kind(f"{action}: {_describe(error)}") from error
 
 
 def _encode_digest(hasher: Any) -> str:

@@ -18,6 +18,7 @@ from services.model_registry.blobstore.base import (
     BlobNotFound,
     BlobStore,
     BlobStoreError,
+    BlobStoreUnavailable,
     BlobUpload,
     MiB,
     _describe,
@@ -306,7 +307,8 @@ class S3BlobStore(BlobStore):
         return self.prefix + validate_key(key)
 
     def _probe(self) -> None:
-        self._client.bucket_exists(self.bucket)
+        if not self._client.bucket_exists(self.bucket):
+            raise BlobStoreUnavailable(f"{self.description}: the bucket does not exist (any more)")
 
     def _ensure_bucket(self) -> None:
         from minio.error import S3Error
