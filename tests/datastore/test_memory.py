@@ -64,4 +64,3 @@ async def test_a_reader_that_stops_reading_holds_about_one_batch(tmp_path: Path)
             while (reply := await reader.read()) is not grpc.aio.EOF:
                 ticks.append(reply.trial_sample.tick_id)
             assert ticks == list(range(SAMPLES))
-
