@@ -45,7 +45,7 @@ def add_servicer(
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def field_one_frame(payload: bytes) -> bytes:
+def field_one_frame(payload: bytes | memoryview) -> bytes:
     """The encoding of a message whose field 1 (bytes, or an embedded message) holds `payload`.
 
     Streams of large or many replies yield these (with `pre_encoded` as the method's response

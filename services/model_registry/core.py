@@ -88,8 +88,10 @@ class ModelRegistry:
         await self._store.upsert_model(model_id, user_data, time.time_ns())
 
     async def delete_model(self, model_id: str) -> None:
-        if not await self._store.delete_model(model_id, _after(GARBAGE_GRACE_S)):
+        blob_keys = await self._store.delete_model(model_id, _after(GARBAGE_GRACE_S))
+        if blob_keys is None:
             raise NotFound(f'no model "{quoted(model_id)}" found')
+        self._hot.forget(blob_keys)
         log.info("model deleted", model_id=model_id)
 
     async def retrieve_models(
@@ -172,7 +174,10 @@ class ModelRegistry:
         """Evict the transient versions beyond `cache_max_items`, least recently used first."""
         evicted = await self._store.evict_transient(self.cache_max_items, _after(GARBAGE_GRACE_S))
         if evicted:
-            log.debug("transient versions evicted", versions=evicted)
+            self._hot.forget(blob_key for _, _, blob_key in evicted)
+            log.debug(
+                "transient versions evicted", versions=[(model_id, number) for model_id, number, _ in evicted]
+            )
 
     async def resolve(self, model_id: str, number: int) -> VersionRecord:
         """The version `number` of the model: -1 is the latest, -n the n-th to last."""
@@ -219,17 +224,21 @@ class ModelRegistry:
         next_handle = str(infos[-1].version_number + 1) if infos else str(start)
         return infos, next_handle
 
-    async def version_data(self, record: VersionRecord) -> AsyncIterator[bytes]:
-        """The version's data in chunks of `chunk_size` (one empty chunk for no data)."""
+    async def version_data(self, record: VersionRecord) -> AsyncIterator[bytes | memoryview]:
+        """The version's data in chunks of `chunk_size` (one empty chunk for no data); chunks
+        of a version in memory are views of it, not copies."""
         if not record.info.archived:
             await self._store.touch(record.info.model_id, record.info.version_number, time.time_ns())
         if self._hot.accepts(record.info.data_size):
             data = await self._hot.get(
-                record.blob_key, lambda: self._blobs.read(record.blob_key, self.chunk_size)
+                record.blob_key,
+                record.info.data_size,
+                lambda: self._blobs.read(record.blob_key, self.chunk_size),
             )
-            for start in range(0, len(data), self.chunk_size):
-                yield data[start : start + self.chunk_size]
-            return
+            if data is not None:
+                for start in range(0, len(data), self.chunk_size):
+                    yield data[start : start + self.chunk_size]
+                return
         sent = False
         async for chunk in self._blobs.read(record.blob_key, self.chunk_size):
             sent = True

@@ -2,8 +2,10 @@
 
 Versions are immutable and every upload has its own blob key, so cached bytes can never be
 stale: the key is the blob key, and a version deleted or evicted from the registry is not looked
-up any more (the registry resolves versions in the database first). Memory is bounded by bytes;
-versions larger than a quarter of the budget are always streamed from the blob store instead.
+up any more (the registry resolves versions in the database first; this process also forgets
+them at once). Memory is bounded by bytes, versions being loaded included: a load reserves its
+size in the budget first (least recently used versions make room), and a version that finds no
+room, or is larger than a quarter of the budget, is streamed from the blob store instead.
 Concurrent first requests for one version share a single read of the blob.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from prometheus_client import Counter, Gauge
 
@@ -26,15 +28,19 @@ class HotVersions:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self.max_item_bytes = budget_bytes // 4
-        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._items: OrderedDict[str, memoryview] = OrderedDict()
+        # Bytes held: cached versions, and the sizes reserved by versions being loaded.
         self._size = 0
-        self._loading: dict[str, asyncio.Future[bytes]] = {}
+        self._loading: dict[str, asyncio.Future[memoryview]] = {}
 
     def accepts(self, size: int) -> bool:
         return 0 < size <= self.max_item_bytes
 
-    async def get(self, blob_key: str, load: Callable[[], AsyncIterator[bytes]]) -> bytes:
-        """The blob's bytes, from memory or read once with `load` (shared by concurrent callers)."""
+    async def get(
+        self, blob_key: str, size: int, load: Callable[[], AsyncIterator[bytes]]
+    ) -> memoryview | None:
+        """The blob's bytes (`size` of them, read-only), from memory or read once with `load`
+        (shared by concurrent callers); None when there is no room to load it: stream it."""
         data = self._items.get(blob_key)
         if data is not None:
             self._items.move_to_end(blob_key)
@@ -45,24 +51,58 @@ class HotVersions:
             hits_total.inc()
             return await asyncio.shield(pending)
         misses_total.inc()
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        if not self._reserve(size):
+            return None
+        future: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
         self._loading[blob_key] = future
         try:
-            data = b"".join([chunk async for chunk in load()])
+            data = await _read_into(bytearray(size), load())
         except BaseException as error:
+            self._release(size)
             future.set_exception(error)
             future.exception()  # retrieved: waiters get it, nobody else needs to
             raise
         finally:
             del self._loading[blob_key]
         future.set_result(data)
-        self._keep(blob_key, data)
+        self._items[blob_key] = data  # its reservation becomes its place
+        cached_bytes.set(self._size)
         return data
 
-    def _keep(self, blob_key: str, data: bytes) -> None:
-        self._items[blob_key] = data
-        self._size += len(data)
-        while self._size > self.budget_bytes:
+    def forget(self, blob_keys: Iterable[str]) -> None:
+        """These versions are gone (model deleted, version evicted): free their memory now."""
+        for blob_key in blob_keys:
+            data = self._items.pop(blob_key, None)
+            if data is not None:
+                self._release(len(data))
+
+    def _reserve(self, size: int) -> bool:
+        """Make room for `size` bytes, evicting the least recently used versions; False when
+        versions being loaded hold too much of the budget."""
+        while self._size + size > self.budget_bytes and self._items:
             _, evicted = self._items.popitem(last=False)
             self._size -= len(evicted)
+        if self._size + size > self.budget_bytes:
+            return False
+        self._size += size
         cached_bytes.set(self._size)
+        return True
+
+    def _release(self, size: int) -> None:
+        self._size -= size
+        cached_bytes.set(self._size)
+
+
+async def _read_into(buffer: bytearray, chunks: AsyncIterator[bytes]) -> memoryview:
+    """The chunks, copied into `buffer` as they come (joining a list of them would hold the
+    version twice), as a read-only view."""
+    view = memoryview(buffer)
+    filled = 0
+    async for chunk in chunks:
+        if filled + len(chunk) > len(buffer):
+            raise ValueError(f"the blob holds more than its recorded {len(buffer)} bytes")
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    if filled != len(buffer):
+        raise ValueError(f"the blob holds {filled} bytes, not its recorded {len(buffer)}")
+    return view.toreadonly()

@@ -36,7 +36,7 @@ def model_info_message(model: ModelInfo) -> model_registry_pb2.ModelInfo:
     return model_registry_pb2.ModelInfo(model_id=model.model_id, user_data=model.user_data)
 
 
-def data_chunk_frame(chunk: bytes) -> bytes:
+def data_chunk_frame(chunk: bytes | memoryview) -> bytes:
     """`RetrieveVersionDataReplyChunk(data_chunk=chunk)` encoded (see `field_one_frame`)."""
     return field_one_frame(chunk) if chunk else b""  # proto3 leaves out an empty field
 

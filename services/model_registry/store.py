@@ -192,16 +192,17 @@ class RegistryStore:
         rows = await self.db.fetch(statement)
         return [ModelInfo(model_id, json.loads(user_data)) for model_id, user_data in rows]
 
-    async def delete_model(self, model_id: str, garbage_after_ns: int) -> bool:
-        """Delete a model and its versions, their blobs going to garbage; False if unknown."""
+    async def delete_model(self, model_id: str, garbage_after_ns: int) -> list[str] | None:
+        """Delete a model and its versions, their blobs going to garbage; returns their blob keys
+        (None: no such model)."""
         key = model_key(model_id)
         insert_garbage = self._insert_garbage
 
-        def write(transaction: Transaction) -> bool:
+        def write(transaction: Transaction) -> list[str] | None:
             # The model row first: a concurrent commit_version either finished (its version is
             # deleted below) or waits and then finds no model.
             if transaction.execute(_LOCK_MODEL, {"key": key}).first() is None:
-                return False
+                return None
             # Versions deleted explicitly (rather than by cascade) to collect their blob keys.
             blob_keys = transaction.execute(_DELETE_MODEL_VERSIONS, {"key": key}).scalars().all()
             if blob_keys:
@@ -211,7 +212,7 @@ class RegistryStore:
                 )
             transaction.execute(_DELETE_MODEL, {"key": key})
             transaction.changed([model_changes_key(model_id)])
-            return True
+            return list(blob_keys)
 
         return await self.db.write(write, self.feed)
 
@@ -313,13 +314,13 @@ class RegistryStore:
         parameters = {"key": model_key(model_id), "number": version_number, "now": now_ns}
         await self.db.write(lambda transaction: transaction.execute(_TOUCH, parameters))
 
-    async def evict_transient(self, max_items: int, garbage_after_ns: int) -> list[tuple[str, int]]:
+    async def evict_transient(self, max_items: int, garbage_after_ns: int) -> list[tuple[str, int, str]]:
         """Delete the least recently used transient versions beyond `max_items` (all models
-        together), their blobs going to garbage; returns the (model id, number) evicted."""
+        together), their blobs going to garbage; returns the (model id, number, blob key) evicted."""
         is_postgresql = self.db.is_postgresql
         insert_garbage = self._insert_garbage
 
-        def write(transaction: Transaction) -> list[tuple[str, int]]:
+        def write(transaction: Transaction) -> list[tuple[str, int, str]]:
             if is_postgresql:
                 # One evicting replica at a time: two would count the same excess and evict twice
                 # as many versions. Released at the end of the transaction.
@@ -337,7 +338,7 @@ class RegistryStore:
                 insert_garbage,
                 [{"blob_key": blob_key, "delete_after": garbage_after_ns} for _, _, blob_key, _ in victims],
             )
-            return [(model_id, int(number)) for _, number, _, model_id in victims]
+            return [(model_id, int(number), blob_key) for _, number, blob_key, model_id in victims]
 
         return await self.db.write(write)
 

@@ -133,7 +133,7 @@ async def test_list_models_order_and_paging(store: RegistryStore) -> None:
 
 
 async def test_delete_model(db: Database, store: RegistryStore) -> None:
-    assert not await store.delete_model("foo", 100)
+    assert await store.delete_model("foo", 100) is None
     await store.upsert_model("foo", {"a": "1"}, 1)
     await store.upsert_model("bar", {}, 1)
     for index in range(3):
@@ -141,13 +141,13 @@ async def test_delete_model(db: Database, store: RegistryStore) -> None:
         assert await _commit(store, "foo", f"foo-{index}") is not None
     assert await _commit(store, "bar", "bar-0") is not None
     assert await _garbage(db) == {}
-    assert await store.delete_model("foo", 100)
+    assert sorted(await store.delete_model("foo", 100) or []) == ["foo-0", "foo-1", "foo-2"]
     assert await _garbage(db) == {"foo-0": 100, "foo-1": 100, "foo-2": 100}
     assert await store.get_models(["foo"]) == {}
     assert await store.latest_number("foo") is None
     assert await store.get_version("foo", 1) is None
     assert await store.list_versions("foo", 1, None) == []
-    assert not await store.delete_model("foo", 100)
+    assert await store.delete_model("foo", 100) is None
     # The other model is untouched.
     assert await store.latest_number("bar") == 1
     # Re-created: a new model, numbering from 1.
@@ -256,7 +256,7 @@ async def test_replicas_commit_without_gaps(postgres_url: str) -> None:
 async def test_commit_after_delete_leaves_blob_in_garbage(db: Database, store: RegistryStore) -> None:
     await store.upsert_model("foo", {}, 1)
     await store.record_upload("late", 777)
-    assert await store.delete_model("foo", 100)
+    assert await store.delete_model("foo", 100) == []
     assert await _commit(store, "foo", "late") is None
     assert await _garbage(db) == {"late": 777}
     assert await store.latest_number("foo") is None
@@ -273,7 +273,7 @@ async def test_commit_races_delete(db: Database, store: RegistryStore) -> None:
         store.delete_model("foo", 100),
         *(_commit(store, "foo", key) for key in keys[5:]),
     )
-    assert outcomes[5] is True
+    assert outcomes[5] is not None  # deleted (with the versions committed before it)
     assert await store.latest_number("foo") is None
     assert set(await _garbage(db)) == set(keys)
 
@@ -305,13 +305,13 @@ async def test_evict_transient(db: Database, store: RegistryStore) -> None:
     # 4 transient versions: f1 (10), u1 (12), f3 (13), u3 (15); archived ones do not count.
     assert await store.evict_transient(4, 100) == []
     await store.touch("foo", 1, 20)  # f1 becomes the most recently used
-    assert await store.evict_transient(2, 100) == [(UNICODE_ID, 1), ("foo", 3)]
+    assert await store.evict_transient(2, 100) == [(UNICODE_ID, 1, "u1"), ("foo", 3, "f3")]
     assert await _garbage(db) == {"u1": 100, "f3": 100}
     assert await store.get_version(UNICODE_ID, 1) is None
     assert await store.get_version("foo", 3) is None
     assert await store.evict_transient(2, 100) == []
     # Evicting everything transient keeps every archived version.
-    assert await store.evict_transient(0, 200) == [(UNICODE_ID, 3), ("foo", 1)]
+    assert await store.evict_transient(0, 200) == [(UNICODE_ID, 3, "u3"), ("foo", 1, "f1")]
     assert await _garbage(db) == {"u1": 100, "f3": 100, "u3": 200, "f1": 200}
     assert [v.version_number for v in await store.list_versions("foo", 1, None)] == [2]
     assert [v.version_number for v in await store.list_versions(UNICODE_ID, 1, None)] == [2]
@@ -325,7 +325,7 @@ async def test_eviction_ties_go_to_the_oldest_number(store: RegistryStore) -> No
     await store.upsert_model("foo", {}, 1)
     for index in range(4):
         assert await _commit(store, "foo", f"b{index}", now_ns=5) is not None
-    assert await store.evict_transient(1, 0) == [("foo", 1), ("foo", 2), ("foo", 3)]
+    assert await store.evict_transient(1, 0) == [("foo", 1, "b0"), ("foo", 2, "b1"), ("foo", 3, "b2")]
 
 
 async def test_concurrent_evictions_never_over_evict(database_url: str) -> None:
@@ -405,6 +405,8 @@ async def test_long_and_unicode_ids(store: RegistryStore) -> None:
         assert len(await store.list_versions(model_id, 1, None)) == 1
         await store.touch(model_id, 1, 5)
     evicted = await store.evict_transient(0, 1)
-    assert sorted(evicted) == sorted([(LONG_ID, 1), (UNICODE_ID, 1), (LONG_ID + "x", 1)])
-    assert await store.delete_model(LONG_ID, 1)
+    assert sorted((model_id, number) for model_id, number, _ in evicted) == sorted(
+        [(LONG_ID, 1), (UNICODE_ID, 1), (LONG_ID + "x", 1)]
+    )
+    assert await store.delete_model(LONG_ID, 1) is not None
     assert set(await store.get_models([LONG_ID, UNICODE_ID, LONG_ID + "x"])) == {UNICODE_ID, LONG_ID + "x"}
