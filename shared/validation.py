@@ -1,12 +1,30 @@
 """Rules every service applies to client input: text the databases can store, paging handles,
-and how input is quoted back in error messages. Each raises `InvalidArgument`."""
+the limits on what one request may ask, and how input is quoted back in error messages. Each
+raises `InvalidArgument`, naming the limit it enforces.
+
+The limits (README, "Limits and memory") keep any one record well inside a default 4 MiB reply.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sized
 
 from shared.errors import InvalidArgument
 
 # Client input quoted in an error message is cut here: gRPC refuses trailers over 8 KiB.
 QUOTE_LIMIT = 200
+MiB = 1024 * 1024
+# An id (model, trial, user) or a host name.
+MAX_ID_BYTES = 256 * 1024
+# A model's or a version's user data, names and values together; a trial's serialized parameters.
+MAX_USER_DATA_BYTES = 1 * MiB
+MAX_TRIAL_PARAMS_BYTES = 1 * MiB
+# Properties of a registration, an inquiry, a trial or a trial filter: how many, and their names
+# and values together.
+MAX_PROPERTIES = 64
+MAX_PROPERTIES_BYTES = 2 * MiB
+# Ids or version numbers one request lists.
+MAX_LISTED_ITEMS = 10_000
 # Largest position of a 32-bit SQL integer column (e.g. version numbers on PostgreSQL).
 MAX_INT32_POSITION = 2**31 - 1
 # Largest position of a signed 64-bit SQL column (e.g. a trial's creation sequence).
@@ -25,11 +43,36 @@ def checked_text(value: str, what: str) -> str:
     return value
 
 
+def checked_size(size: int, what: str, limit: int, name: str) -> None:
+    """Refuse `size` (bytes, or items) over `limit`; `name` is the limit's name in the README."""
+    if size > limit:
+        raise InvalidArgument(f"{what}: {size} is over the limit of {limit} ({name})")
+
+
 def checked_id(value: str, what: str) -> str:
     """A non-empty identifier a text column can hold (`what` names it, e.g. "model id")."""
     if not value:
         raise InvalidArgument(f"empty {what}")
+    checked_size(len(value.encode("utf-8", "surrogatepass")), f"{what} bytes", MAX_ID_BYTES, "MAX_ID_BYTES")
     return checked_text(value, f"{what}s")
+
+
+def text_bytes(texts: Mapping[str, str]) -> int:
+    """The UTF-8 size of a map's names and values together."""
+    return sum(len(name.encode("utf-8", "surrogatepass")) + len(value.encode("utf-8", "surrogatepass"))
+               for name, value in texts.items())  # fmt: skip
+
+
+def checked_properties(properties: Mapping[str, str], what: str) -> Mapping[str, str]:
+    """At most MAX_PROPERTIES properties, of MAX_PROPERTIES_BYTES together (`what` names them)."""
+    checked_size(len(properties), what, MAX_PROPERTIES, "MAX_PROPERTIES")
+    checked_size(text_bytes(properties), f"{what} bytes", MAX_PROPERTIES_BYTES, "MAX_PROPERTIES_BYTES")
+    return properties
+
+
+def checked_list(items: Sized, what: str) -> None:
+    """A list of ids or numbers within MAX_LISTED_ITEMS."""
+    checked_size(len(items), what, MAX_LISTED_ITEMS, "MAX_LISTED_ITEMS")
 
 
 def parse_handle(handle: str, field: str, maximum: int) -> int:

@@ -29,7 +29,18 @@ from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.observer import DRAIN_LIMIT_S
-from shared.validation import MAX_INT64_POSITION, checked_id, checked_text, parse_handle, quoted
+from shared.validation import (
+    MAX_ID_BYTES,
+    MAX_INT64_POSITION,
+    MAX_TRIAL_PARAMS_BYTES,
+    checked_id,
+    checked_list,
+    checked_properties,
+    checked_size,
+    checked_text,
+    parse_handle,
+    quoted,
+)
 
 # Samples read per query while replaying: at most READ_BATCH rows, and about `read_batch_bytes`
 # (a reader sizes each batch from the samples of its previous one; its first is one sample).
@@ -157,7 +168,7 @@ class Ingestion:
                 "header metadata 'trial-id'"
             )
         sample.trial_id = self.trial.trial_id
-        checked_text(sample.user_id, "user ids")
+        _checked_user_id(sample.user_id)
         self._add(sample.SerializeToString(), _stored_state(sample.state))
 
     def _add(self, data: bytes, state: int) -> None:
@@ -211,8 +222,10 @@ class TrialDatastore:
         self, trial_id: str, user_id: str, params: common_pb2.TrialParams, *, reopen: bool
     ) -> TrialRecord:
         checked_id(trial_id, "trial id")
-        checked_text(user_id, "user ids")
+        _checked_user_id(user_id)
+        checked_properties(params.properties, "trial properties")
         data = params.SerializeToString()
+        checked_size(len(data), "trial parameters bytes", MAX_TRIAL_PARAMS_BYTES, "MAX_TRIAL_PARAMS_BYTES")
         upsert = functools.partial(
             self.store.upsert_trial,
             trial_id,
@@ -228,6 +241,7 @@ class TrialDatastore:
         return TrialRecord(seq, trial_id, user_id, data, 0, NO_STATE, False, False)
 
     async def delete_trials(self, trial_ids: Sequence[str]) -> int:
+        checked_list(trial_ids, "trial_ids")
         deleted = await self.store.delete_trials(trial_ids)
         if deleted:
             log.debug("trials deleted", count=len(deleted))
@@ -250,6 +264,8 @@ class TrialDatastore:
         reply holds as many trials as fit (`reply_size`: a trial's encoded size): the next handle
         then follows the last one returned.
         """
+        checked_list(trial_ids, "trial_ids")
+        checked_properties(properties, "properties")
         # trial_seq is a signed 64-bit column.
         after = parse_handle(handle, "trial_handle", MAX_INT64_POSITION)
         wanted_ids = list(dict.fromkeys(trial_ids))
@@ -305,6 +321,7 @@ class TrialDatastore:
     ) -> AsyncIterator[bytes]:
         """Serialized StoredTrialSamples of the trials, stored ones then live ones, each trial's in
         order, until every trial has ended or its ingestion closed."""
+        checked_list(trial_ids, "trial_ids")
         wanted_ids = list(dict.fromkeys(trial_ids))
         found = await self.ride_out(functools.partial(self.store.get_trials, wanted_ids))
         missing = [trial_id for trial_id in wanted_ids if trial_id not in found]
@@ -350,6 +367,11 @@ class TrialDatastore:
                         readers.remove(reader)
                 if readers and not progressed:
                     await watch.wait()
+
+
+def _checked_user_id(user_id: str) -> None:
+    checked_size(len(user_id.encode("utf-8", "surrogatepass")), "user id bytes", MAX_ID_BYTES, "MAX_ID_BYTES")
+    checked_text(user_id, "user ids")
 
 
 async def _at_once(read: Callable[[], Awaitable[R]]) -> R:

@@ -20,7 +20,7 @@ from shared.api import directory_pb2, directory_pb2_grpc
 from shared.errors import InvalidArgument, ServiceError, classify
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, VersionStatusMixin
-from shared.validation import checked_text
+from shared.validation import MAX_ID_BYTES, checked_properties, checked_size, checked_text
 
 TOKEN_METADATA_KEY = "authentication-token"
 # Reserved property of discovery URLs; the orchestrator moves it to the metadata, the Python SDK
@@ -47,6 +47,9 @@ def registration_from_request(request: directory_pb2.RegisterRequest) -> Registr
     endpoint, details = request.endpoint, request.details
     if not endpoint.host:
         raise InvalidArgument("Empty host")
+    checked_size(
+        len(endpoint.host.encode("utf-8", "surrogatepass")), "host bytes", MAX_ID_BYTES, "MAX_ID_BYTES"
+    )
     checked_text(endpoint.host, "host")
     if endpoint.protocol not in VALID_PROTOCOLS:
         raise InvalidArgument(f"Invalid protocol [{endpoint.protocol}]")
@@ -54,6 +57,7 @@ def registration_from_request(request: directory_pb2.RegisterRequest) -> Registr
         raise InvalidArgument(f"Invalid port [{endpoint.port}]")
     if details.type not in VALID_SERVICE_TYPES:
         raise InvalidArgument(f"Invalid service type [{details.type}]")
+    checked_properties(details.properties, "properties")
     for name, value in details.properties.items():
         checked_text(name, f"property name [{name!r}]")
         checked_text(value, f"value of property [{name}]")
@@ -73,7 +77,7 @@ def inquiry_from_request(request: directory_pb2.InquireRequest, token: str) -> t
     if which == "details":
         if request.details.type != UNKNOWN_SERVICE and request.details.type not in VALID_SERVICE_TYPES:
             raise InvalidArgument(f"Invalid service type [{request.details.type}]")
-        properties = dict(request.details.properties)
+        properties = dict(checked_properties(request.details.properties, "inquired properties"))
         property_token = properties.pop(TOKEN_PROPERTY, "")
         return Inquiry(service_type=request.details.type, properties=properties), token or property_token
     raise InvalidArgument("Empty request: set either service_id or details")

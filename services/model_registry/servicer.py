@@ -14,7 +14,14 @@ from shared.api import model_registry_pb2
 from shared.errors import InvalidArgument, NotFound
 from shared.handlers import add_servicer, field_one_frame, pre_encoded
 from shared.runtime import ServiceRuntime, VersionStatusMixin
-from shared.validation import checked_id, checked_text
+from shared.validation import (
+    MAX_USER_DATA_BYTES,
+    checked_id,
+    checked_list,
+    checked_size,
+    checked_text,
+    text_bytes,
+)
 
 # Timestamps are stored as signed 64-bit integers (nanoseconds: until the year 2262).
 MAX_TIMESTAMP = 2**63 - 1
@@ -56,6 +63,7 @@ def _model_id(model_id: str) -> str:
 
 def _user_data(user_data: Any) -> dict[str, str]:
     data = dict(user_data)
+    checked_size(text_bytes(data), "user data bytes", MAX_USER_DATA_BYTES, "MAX_USER_DATA_BYTES")
     for name, value in data.items():
         checked_text(name, "user data")
         checked_text(value, "user data")
@@ -97,6 +105,7 @@ class ModelRegistryServicer(VersionStatusMixin):
     async def RetrieveModels(
         self, request: model_registry_pb2.RetrieveModelsRequest, context: Any
     ) -> model_registry_pb2.RetrieveModelsReply:
+        checked_list(request.model_ids, "model_ids")
         models, handle = await self.registry.retrieve_models(
             list(request.model_ids),
             request.models_count,
@@ -136,6 +145,7 @@ class ModelRegistryServicer(VersionStatusMixin):
     async def RetrieveVersionInfos(
         self, request: model_registry_pb2.RetrieveVersionInfosRequest, context: Any
     ) -> model_registry_pb2.RetrieveVersionInfosReply:
+        checked_list(request.version_numbers, "version_numbers")
         infos, handle = await self.registry.retrieve_version_infos(
             _model_id(request.model_id),
             list(request.version_numbers),

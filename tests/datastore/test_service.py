@@ -439,3 +439,36 @@ async def test_a_listing_too_large_for_one_reply_is_cut_with_a_next_handle(
         seen += [info.trial_id for info in reply.trial_infos]
         handle = reply.next_trial_handle
     assert seen == [f"t{index}" for index in range(5)]
+
+
+async def test_requests_over_a_limit_are_refused_naming_it(datastore: RunningDatastore) -> None:
+    many = {f"p{index}": "v" for index in range(65)}
+    cases = [
+        (
+            datastore.stub.AddTrial(
+                ds.AddTrialRequest(trial_params=common_pb2.TrialParams(properties=many)),
+                metadata=(("trial-id", "t"),),
+            ),
+            "MAX_PROPERTIES",
+        ),
+        (datastore.stub.RetrieveTrials(ds.RetrieveTrialsRequest(properties=many)), "MAX_PROPERTIES"),
+        (
+            datastore.stub.RetrieveTrials(ds.RetrieveTrialsRequest(trial_ids=["t"] * 10_001)),
+            "MAX_LISTED_ITEMS",
+        ),
+        (datastore.stub.DeleteTrials(ds.DeleteTrialsRequest(trial_ids=["t"] * 10_001)), "MAX_LISTED_ITEMS"),
+        (
+            datastore.stub.AddTrial(
+                ds.AddTrialRequest(
+                    trial_params=common_pb2.TrialParams(properties={"big": "x" * 2 * 1024 * 1024})
+                ),
+                metadata=(("trial-id", "t"),),
+            ),
+            "MAX_PROPERTIES_BYTES",
+        ),
+    ]
+    for call, limit in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert limit in (refused.value.details() or ""), refused.value.details()

@@ -83,6 +83,8 @@ async def test_one_reply_per_request_in_order_and_inquiry_by_id(directory: Runni
         (request(port=70000), "Invalid port [70000]"),
         (request(host="a\x00b"), "NUL"),
         (request(properties={"k": "v\x00"}), "NUL"),
+        (request(properties={f"p{index}": "v" for index in range(65)}), "MAX_PROPERTIES"),
+        (request(host="h" * (256 * 1024 + 1)), "MAX_ID_BYTES"),
     ],
 )
 async def test_invalid_registrations_fail_with_a_message_and_the_stream_stays_usable(
@@ -138,9 +140,11 @@ async def test_no_match_is_an_empty_ok_stream(directory: RunningDirectory) -> No
 
 
 async def test_malformed_inquiries_are_invalid_argument(directory: RunningDirectory) -> None:
+    many = {f"p{index}": "v" for index in range(65)}
     for bad in (
         directory_pb2.InquireRequest(),
         directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=42)),  # type: ignore[arg-type]
+        directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(properties=many)),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as error:
             _ = [reply async for reply in directory.stub.Inquire(bad)]

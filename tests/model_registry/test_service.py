@@ -319,3 +319,32 @@ def test_data_chunk_frames_are_the_protobuf_encoding(size: int) -> None:
     frame = data_chunk_frame(chunk)
     assert frame == mr.RetrieveVersionDataReplyChunk(data_chunk=chunk).SerializeToString()
     assert mr.RetrieveVersionDataReplyChunk.FromString(frame).data_chunk == chunk
+
+
+async def test_requests_over_a_limit_are_refused_naming_it(registry: RunningRegistry) -> None:
+    cases = [
+        (registry.stub.DeleteModel(mr.DeleteModelRequest(model_id="m" * (256 * 1024 + 1))), "MAX_ID_BYTES"),
+        (
+            registry.stub.CreateOrUpdateModel(
+                mr.CreateOrUpdateModelRequest(
+                    model_info=mr.ModelInfo(model_id="m", user_data={"k": "v" * 1024 * 1024})
+                )
+            ),
+            "MAX_USER_DATA_BYTES",
+        ),
+        (
+            registry.stub.RetrieveVersionInfos(
+                mr.RetrieveVersionInfosRequest(model_id="m", version_numbers=[1] * 10_001)
+            ),
+            "MAX_LISTED_ITEMS",
+        ),
+        (
+            registry.stub.RetrieveModels(mr.RetrieveModelsRequest(model_ids=["m"] * 10_001)),
+            "MAX_LISTED_ITEMS",
+        ),
+    ]
+    for call, limit in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert limit in (refused.value.details() or ""), refused.value.details()
