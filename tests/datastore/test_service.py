@@ -427,18 +427,18 @@ async def test_a_listing_too_large_for_one_reply_is_cut_with_a_next_handle(
 ) -> None:
     """Clients refuse replies over 4 MiB (the SDK among them): an unpaged RetrieveTrials is cut
     to fit, and its next handle leads to the rest."""
-    for index in range(5):
-        await add_trial(datastore, f"t{index}", blob="x" * (1200 * 1024))
+    for index in range(6):  # each under MAX_TRIAL_PARAMS_BYTES; six are over 4 MiB
+        await add_trial(datastore, f"t{index}", blob="x" * (900 * 1024))
     seen: list[str] = []
     handle = ""
     while True:
         reply = await list_trials(datastore, trial_handle=handle)
         if not reply.trial_infos:
             break
-        assert 0 < len(reply.trial_infos) < 5  # several replies: none over the client's limit
+        assert 0 < len(reply.trial_infos) < 6  # several replies: none over the client's limit
         seen += [info.trial_id for info in reply.trial_infos]
         handle = reply.next_trial_handle
-    assert seen == [f"t{index}" for index in range(5)]
+    assert seen == [f"t{index}" for index in range(6)]
 
 
 async def test_requests_over_a_limit_are_refused_naming_it(datastore: RunningDatastore) -> None:

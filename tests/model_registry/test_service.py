@@ -168,7 +168,7 @@ async def test_an_early_rejection_reaches_a_client_that_is_still_writing(registr
 async def test_a_listing_too_large_for_one_reply_is_cut_with_a_next_handle(registry: RunningRegistry) -> None:
     """Clients refuse replies over 4 MiB (the SDK among them): an unpaged listing is cut to fit,
     and its next handle leads to the rest."""
-    big = {"blob": "x" * (1024 * 1024)}
+    big = {"blob": "x" * (900 * 1024)}  # under MAX_USER_DATA_BYTES; six are over 4 MiB
     for index in range(6):
         await create_model(registry, f"m{index}", **big)
     seen: list[str] = []
@@ -187,7 +187,7 @@ async def test_many_version_numbers_are_resolved_at_once(registry: RunningRegist
     await create_model(registry, "m")
     for _ in range(3):
         await create_version(registry, "m", b"data")
-    assert await infos(registry, "m", [1, -1, 2, -3] * 5000) == ([1, 3, 2, 1] * 5000, "2")
+    assert await infos(registry, "m", [1, -1, 2, -3] * 2500) == ([1, 3, 2, 1] * 2500, "2")
     with pytest.raises(grpc.aio.AioRpcError) as missing:
         await infos(registry, "m", [1] * 1000 + [-4])
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
