@@ -49,18 +49,26 @@ def checked_size(size: int, what: str, limit: int, name: str) -> None:
         raise InvalidArgument(f"{what}: {size} is over the limit of {limit} ({name})")
 
 
+def utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def checked_name_size(value: str, what: str) -> None:
+    """An id or a host name is at most MAX_ID_BYTES (`what` names it, e.g. "user id")."""
+    checked_size(utf8_size(value), f"{what} bytes", MAX_ID_BYTES, "MAX_ID_BYTES")
+
+
 def checked_id(value: str, what: str) -> str:
-    """A non-empty identifier a text column can hold (`what` names it, e.g. "model id")."""
+    """A non-empty id a text column can hold, within MAX_ID_BYTES (`what`: e.g. "model id")."""
     if not value:
         raise InvalidArgument(f"empty {what}")
-    checked_size(len(value.encode("utf-8", "surrogatepass")), f"{what} bytes", MAX_ID_BYTES, "MAX_ID_BYTES")
+    checked_name_size(value, what)
     return checked_text(value, f"{what}s")
 
 
 def text_bytes(texts: Mapping[str, str]) -> int:
     """The UTF-8 size of a map's names and values together."""
-    return sum(len(name.encode("utf-8", "surrogatepass")) + len(value.encode("utf-8", "surrogatepass"))
-               for name, value in texts.items())  # fmt: skip
+    return sum(utf8_size(name) + utf8_size(value) for name, value in texts.items())
 
 
 def checked_properties(properties: Mapping[str, str], what: str) -> Mapping[str, str]:

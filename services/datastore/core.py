@@ -30,11 +30,11 @@ from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.observer import DRAIN_LIMIT_S
 from shared.validation import (
-    MAX_ID_BYTES,
     MAX_INT64_POSITION,
     MAX_TRIAL_PARAMS_BYTES,
     checked_id,
     checked_list,
+    checked_name_size,
     checked_properties,
     checked_size,
     checked_text,
@@ -168,7 +168,8 @@ class Ingestion:
                 "header metadata 'trial-id'"
             )
         sample.trial_id = self.trial.trial_id
-        _checked_user_id(sample.user_id)
+        checked_name_size(sample.user_id, "user id")
+        checked_text(sample.user_id, "user ids")
         self._add(sample.SerializeToString(), _stored_state(sample.state))
 
     def _add(self, data: bytes, state: int) -> None:
@@ -222,7 +223,8 @@ class TrialDatastore:
         self, trial_id: str, user_id: str, params: common_pb2.TrialParams, *, reopen: bool
     ) -> TrialRecord:
         checked_id(trial_id, "trial id")
-        _checked_user_id(user_id)
+        checked_name_size(user_id, "user id")
+        checked_text(user_id, "user ids")
         checked_properties(params.properties, "trial properties")
         data = params.SerializeToString()
         checked_size(len(data), "trial parameters bytes", MAX_TRIAL_PARAMS_BYTES, "MAX_TRIAL_PARAMS_BYTES")
@@ -367,11 +369,6 @@ class TrialDatastore:
                         readers.remove(reader)
                 if readers and not progressed:
                     await watch.wait()
-
-
-def _checked_user_id(user_id: str) -> None:
-    checked_size(len(user_id.encode("utf-8", "surrogatepass")), "user id bytes", MAX_ID_BYTES, "MAX_ID_BYTES")
-    checked_text(user_id, "user ids")
 
 
 async def _at_once(read: Callable[[], Awaitable[R]]) -> R:

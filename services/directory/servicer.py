@@ -20,7 +20,7 @@ from shared.api import directory_pb2, directory_pb2_grpc
 from shared.errors import InvalidArgument, ServiceError, classify
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, VersionStatusMixin
-from shared.validation import MAX_ID_BYTES, checked_properties, checked_size, checked_text
+from shared.validation import checked_name_size, checked_properties, checked_text
 
 TOKEN_METADATA_KEY = "authentication-token"
 # Reserved property of discovery URLs; the orchestrator moves it to the metadata, the Python SDK
@@ -47,9 +47,7 @@ def registration_from_request(request: directory_pb2.RegisterRequest) -> Registr
     endpoint, details = request.endpoint, request.details
     if not endpoint.host:
         raise InvalidArgument("Empty host")
-    checked_size(
-        len(endpoint.host.encode("utf-8", "surrogatepass")), "host bytes", MAX_ID_BYTES, "MAX_ID_BYTES"
-    )
+    checked_name_size(endpoint.host, "host")
     checked_text(endpoint.host, "host")
     if endpoint.protocol not in VALID_PROTOCOLS:
         raise InvalidArgument(f"Invalid protocol [{endpoint.protocol}]")
@@ -99,6 +97,19 @@ def full_service_data(entry: Entry) -> directory_pb2.FullServiceData:
     )
 
 
+def _refusal(error: Exception, unexpected: str, action: str) -> str:
+    """The `error_msg` of the FAILED reply to a request that failed with `error`: what the client
+    got wrong, or `unexpected [error type]` for a bug (logged). A database that cannot be reached
+    is raised instead: a status the client retries on, where a FAILED reply reads as a refusal
+    that self-registering services do not retry (docs/compatibility.md#directory)."""
+    if isinstance(error, ServiceError):
+        return str(error)
+    if classify(error) is not None:
+        raise error
+    log.error(f"could not {action}", exc_info=error)
+    return f"{unexpected} [{type(error).__name__}]"
+
+
 class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServicer):
     def __init__(self, directory: Directory, runtime: ServiceRuntime) -> None:
         self.directory = directory
@@ -109,25 +120,14 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
     ) -> AsyncIterator[directory_pb2.RegisterReply]:
         token = authentication_token(context)
         async for request in request_iterator:
-            # Failures are FAILED replies, not statuses: the stream stays usable, as clients expect
-            # (docs/compatibility.md#directory).
+            # Failures are FAILED replies (see _refusal): the stream stays usable, as clients expect.
             try:
                 registration = registration_from_request(request)
                 service_id, secret = await self.directory.register(registration, token)
-            except ServiceError as error:
-                yield directory_pb2.RegisterReply(
-                    status=directory_pb2.RegisterReply.FAILED, error_msg=str(error)
-                )
-                continue
             except Exception as error:
-                if classify(error) is not None:
-                    # The database is away: a status the client retries on (a FAILED reply reads
-                    # as a refusal, and self-registering services do not retry those).
-                    raise
-                log.error("could not register service", exc_info=error)
+                message = _refusal(error, "Could not add service to database", "register a service")
                 yield directory_pb2.RegisterReply(
-                    status=directory_pb2.RegisterReply.FAILED,
-                    error_msg=f"Could not add service to database [{type(error).__name__}]",
+                    status=directory_pb2.RegisterReply.FAILED, error_msg=message
                 )
                 continue
             yield directory_pb2.RegisterReply(
@@ -139,22 +139,13 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
     ) -> AsyncIterator[directory_pb2.DeregisterReply]:
         token = authentication_token(context)
         async for request in request_iterator:
-            # Failures are FAILED replies, as for Register.
             try:
                 await self.directory.deregister(request.service_id, request.secret, token)
-            except ServiceError as error:
-                yield directory_pb2.DeregisterReply(
-                    status=directory_pb2.DeregisterReply.FAILED, error_msg=str(error)
-                )
-                continue
             except Exception as error:
-                if classify(error) is not None:  # as for Register
-                    raise
-                log.error("could not deregister service", exc_info=error)
+                failed = f"Failed to deregister service ID [{request.service_id}]: database error"
+                message = _refusal(error, failed, "deregister a service")
                 yield directory_pb2.DeregisterReply(
-                    status=directory_pb2.DeregisterReply.FAILED,
-                    error_msg=f"Failed to deregister service ID [{request.service_id}]: "
-                    f"database error [{type(error).__name__}]",
+                    status=directory_pb2.DeregisterReply.FAILED, error_msg=message
                 )
                 continue
             yield directory_pb2.DeregisterReply(status=directory_pb2.DeregisterReply.OK)
