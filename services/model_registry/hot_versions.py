@@ -29,8 +29,10 @@ class HotVersions:
         self.budget_bytes = budget_bytes
         self.max_item_bytes = budget_bytes // 4
         self._items: OrderedDict[str, memoryview] = OrderedDict()
-        # Bytes held: cached versions, and the sizes reserved by versions being loaded.
+        # Bytes held: cached versions, and the sizes reserved by versions being loaded (of which
+        # `_loading_bytes`).
         self._size = 0
+        self._loading_bytes = 0
         self._loading: dict[str, asyncio.Future[memoryview]] = {}
 
     def accepts(self, size: int) -> bool:
@@ -64,6 +66,7 @@ class HotVersions:
             raise
         finally:
             del self._loading[blob_key]
+            self._loading_bytes -= size
         future.set_result(data)
         self._items[blob_key] = data  # its reservation becomes its place
         cached_bytes.set(self._size)
@@ -77,14 +80,15 @@ class HotVersions:
                 self._release(len(data))
 
     def _reserve(self, size: int) -> bool:
-        """Make room for `size` bytes, evicting the least recently used versions; False when
-        versions being loaded hold too much of the budget."""
-        while self._size + size > self.budget_bytes and self._items:
+        """Make room for `size` bytes, evicting the least recently used versions; False (and
+        nothing evicted) when versions being loaded hold too much of the budget."""
+        if self._loading_bytes + size > self.budget_bytes:
+            return False
+        while self._size + size > self.budget_bytes:
             _, evicted = self._items.popitem(last=False)
             self._size -= len(evicted)
-        if self._size + size > self.budget_bytes:
-            return False
         self._size += size
+        self._loading_bytes += size
         cached_bytes.set(self._size)
         return True
 
