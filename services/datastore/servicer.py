@@ -21,6 +21,7 @@ from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
 from shared.errors import InvalidArgument
 from shared.handlers import add_servicer, field_one_frame, pre_encoded
 from shared.runtime import ServiceRuntime, VersionStatusMixin
+from shared.validation import utf8_size
 
 # StoredTrialInfo.samples_count is 32-bit.
 MAX_SAMPLES_COUNT = 2**32 - 1
@@ -53,6 +54,12 @@ def trial_info_message(record: TrialRecord) -> trial_datastore_pb2.StoredTrialIn
         samples_count=min(record.samples_count, MAX_SAMPLES_COUNT),
         params=common_pb2.TrialParams.FromString(record.params),
     )
+
+
+def trial_info_size(record: TrialRecord) -> int:
+    """The encoded size of `trial_info_message(record)`, at most, without parsing its parameters:
+    they are re-encoded as stored (the tags, lengths and numbers take 32 bytes at most)."""
+    return utf8_size(record.trial_id) + utf8_size(record.user_id) + len(record.params) + 32
 
 
 def _datalog_sample(request: DatalogInput) -> datalog_pb2.DatalogSample:
@@ -101,7 +108,7 @@ class TrialDatastoreServicer(VersionStatusMixin):
             request.timeout,
             request.trials_count,
             request.trial_handle,
-            lambda record: trial_info_message(record).ByteSize(),
+            trial_info_size,
         )
         return trial_datastore_pb2.RetrieveTrialsReply(
             trial_infos=[trial_info_message(record) for record in records], next_trial_handle=handle
