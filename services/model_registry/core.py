@@ -184,7 +184,7 @@ class ModelRegistry:
         latest = await self._store.latest_number(model_id)
         if latest is None:
             raise NotFound(f'no model "{quoted(model_id)}" found')
-        wanted = latest + number + 1 if number < 0 else number
+        wanted = _absolute(number, latest)
         record = await self._store.get_version(model_id, wanted) if wanted > 0 else None
         if record is None:
             raise NotFound(f'no version "{number}" for model "{quoted(model_id)}" found')
@@ -207,8 +207,8 @@ class ModelRegistry:
             latest = await self._store.latest_number(model_id)
             if latest is None:
                 raise NotFound(f'no model "{quoted(model_id)}" found')
-            # -1 is the latest, -n the n-th to last, as in `resolve`; all looked up at once.
-            absolute = [latest + number + 1 if number < 0 else number for number in wanted]
+            # All looked up at once.
+            absolute = [_absolute(number, latest) for number in wanted]
             found = await self._store.get_versions(model_id, [number for number in absolute if number > 0])
             infos = []
             for number, version in zip(wanted, absolute, strict=True):
@@ -346,6 +346,11 @@ class _ModelWatch:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+def _absolute(number: int, latest: int) -> int:
+    """The version number that `number` names: -1 is the latest, -n the n-th to last."""
+    return latest + number + 1 if number < 0 else number
 
 
 def _after(seconds: float) -> int:
