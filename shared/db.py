@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,6 +39,16 @@ CONNECT_TIMEOUT_S = 5
 MIGRATION_LOCK_ID = 0x636F676D656E74
 
 log = get_logger("shared.db")
+
+
+# Values bound in one IN list at most (SQLite caps a statement's parameters).
+IN_LIST_BATCH = 500
+
+
+def in_batches(values: Sequence[T]) -> Iterator[Sequence[T]]:
+    """`values` in slices of IN_LIST_BATCH, one statement each."""
+    for start in range(0, len(values), IN_LIST_BATCH):
+        yield values[start : start + IN_LIST_BATCH]
 
 
 def default_database_url(data_dir: str | Path, service: str) -> str:

@@ -29,15 +29,13 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from services.datastore.model import SampleAppend, TrialProgress, TrialRecord
-from shared.db import Database, Transaction
+from shared.db import Database, Transaction, in_batches
 from shared.digest import pair_digest, sha256_hex
 from shared.notify import ChangeFeed
 from shared.schema import datastore_samples as samples
 from shared.schema import datastore_trial_properties as properties
 from shared.schema import datastore_trials as trials
 
-# Trial ids looked up per statement at most (SQLite caps the number of bound parameters).
-KEYS_PER_STATEMENT = 500
 TRIALS_KEY = "trials"
 
 
@@ -180,8 +178,8 @@ class DatastoreStore:
     async def get_trials(self, trial_ids: Sequence[str]) -> dict[str, TrialRecord]:
         found: dict[str, TrialRecord] = {}
         keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
-        for start in range(0, len(keys), KEYS_PER_STATEMENT):
-            rows = await self.db.fetch(_GET_TRIALS, {"keys": keys[start : start + KEYS_PER_STATEMENT]})
+        for batch in in_batches(keys):
+            rows = await self.db.fetch(_GET_TRIALS, {"keys": batch})
             for row in rows:
                 record = _trial_record(row)
                 found[record.trial_id] = record
@@ -218,8 +216,8 @@ class DatastoreStore:
             return [_trial_record(row) for row in rows]
         keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
         found: list[TrialRecord] = []
-        for start in range(0, len(keys), KEYS_PER_STATEMENT):
-            chunk = statement.where(trials.c.trial_key.in_(keys[start : start + KEYS_PER_STATEMENT]))
+        for batch in in_batches(keys):
+            chunk = statement.where(trials.c.trial_key.in_(batch))
             found.extend(_trial_record(row) for row in await self.db.fetch(chunk))
         found.sort(key=lambda record: record.trial_seq)
         return found if limit is None else found[:limit]
@@ -231,12 +229,8 @@ class DatastoreStore:
 
         def write(transaction: Transaction) -> list[int]:
             deleted: list[int] = []
-            for start in range(0, len(keys), KEYS_PER_STATEMENT):
-                statement = (
-                    delete(trials)
-                    .where(trials.c.trial_key.in_(keys[start : start + KEYS_PER_STATEMENT]))
-                    .returning(trials.c.trial_seq)
-                )
+            for batch in in_batches(keys):
+                statement = delete(trials).where(trials.c.trial_key.in_(batch)).returning(trials.c.trial_seq)
                 deleted.extend(int(seq) for seq in transaction.execute(statement).scalars())
             transaction.changed(samples_key(seq) for seq in deleted)
             return deleted
@@ -284,8 +278,8 @@ class DatastoreStore:
         seqs = list(trial_seqs)
 
         def write(transaction: Transaction) -> None:
-            for start in range(0, len(seqs), KEYS_PER_STATEMENT):
-                transaction.execute(statement, {"seqs": seqs[start : start + KEYS_PER_STATEMENT]})
+            for batch in in_batches(seqs):
+                transaction.execute(statement, {"seqs": batch})
 
         await self.db.write(write)
 

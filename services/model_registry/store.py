@@ -13,16 +13,13 @@ from typing import Any
 from sqlalchemy import Integer, bindparam, delete, false, func, insert, select, text, update
 
 from services.model_registry.model import ModelInfo, VersionInfo, VersionRecord
-from shared.db import Database, Transaction
+from shared.db import Database, Transaction, in_batches
 from shared.digest import sha256_hex
 from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage as garbage
 from shared.schema import registry_models as models
 from shared.schema import registry_versions as versions
 
-# Model ids (or version numbers) looked up per statement at most (SQLite caps the number of bound
-# parameters).
-GET_MODELS_BATCH = 500
 # Serializes evictions across replicas on PostgreSQL (any constant shared by every replica).
 EVICTION_LOCK_ID = 0x7265675F65766963
 
@@ -177,8 +174,8 @@ class RegistryStore:
         """The known models among `model_ids`, by id."""
         keys = list({model_key(model_id) for model_id in model_ids})
         found: dict[str, ModelInfo] = {}
-        for start in range(0, len(keys), GET_MODELS_BATCH):
-            rows = await self.db.fetch(_GET_MODELS, {"keys": keys[start : start + GET_MODELS_BATCH]})
+        for batch in in_batches(keys):
+            rows = await self.db.fetch(_GET_MODELS, {"keys": batch})
             for model_id, user_data in rows:
                 found[model_id] = ModelInfo(model_id, json.loads(user_data))
         return found
@@ -282,12 +279,12 @@ class RegistryStore:
         return VersionRecord(_version_info(model_id, rows[0]), rows[0][6])
 
     async def get_versions(self, model_id: str, numbers: Sequence[int]) -> dict[int, VersionInfo]:
-        """The existing versions among `numbers`, by number (one query per GET_MODELS_BATCH)."""
+        """The existing versions among `numbers`, by number (one query per IN_LIST_BATCH)."""
         key = model_key(model_id)
         wanted = sorted(set(numbers))
         found: dict[int, VersionInfo] = {}
-        for start in range(0, len(wanted), GET_MODELS_BATCH):
-            parameters = {"key": key, "numbers": wanted[start : start + GET_MODELS_BATCH]}
+        for batch in in_batches(wanted):
+            parameters = {"key": key, "numbers": batch}
             for row in await self.db.fetch(_GET_VERSIONS, parameters):
                 info = _version_info(model_id, row)
                 found[info.version_number] = info
