@@ -351,11 +351,12 @@ class TrialDatastore:
                         functools.partial(self.store.read_samples, seq, reader.next, rows)
                     )
                     reader.next += len(batch)
+                    full = len(batch) == rows  # more may follow at once
                     reader.size_batches(batch, self.read_batch_bytes)
                     for data in batch:
                         yield reader.filtered(data)
                     del batch  # a reader that stops reading holds one batch, not two
-                    if reader.batch_full:
+                    if full:
                         progressed = True
                         continue
                     progress = await self.ride_out(functools.partial(self.store.progress, seq))
@@ -379,14 +380,12 @@ class _TrialReader:
     def __init__(self, trial: TrialRecord, sample_filter: SampleFilter) -> None:
         self.trial = trial
         self.next = 0
-        # Rows of the next read, and whether the last read returned all it asked for.
+        # Rows of the next read (see size_batches).
         self.batch_rows = 1
-        self.batch_full = False
         self._filter = None if sample_filter.keeps_everything else sample_filter
 
     def size_batches(self, batch: list[bytes], budget_bytes: int) -> None:
         """Size the next read from this one's samples."""
-        self.batch_full = len(batch) == self.batch_rows
         if batch:
             average = max(sum(len(data) for data in batch) // len(batch), 1)
             self.batch_rows = max(1, min(READ_BATCH, budget_bytes // average))
