@@ -280,6 +280,22 @@ class Database:
             feed.wake(changed)
         return result
 
+    async def foreign_commits(self) -> int:
+        """SQLite: a number that changes whenever another process commits to the file.
+
+        It is `PRAGMA data_version` read on the writer's connection, which counts every other
+        connection's commits but not its own; in this process only the writer commits, so a
+        change means another process did. Read on the driver's connection directly: through
+        SQLAlchemy it would begin a transaction, which takes the write lock on that connection.
+        """
+        assert self._sqlite_writer is not None, "only SQLite files are shared without notifications"
+
+        def read(connection: Connection) -> int:
+            driver_connection: Any = connection.connection.driver_connection
+            return int(driver_connection.execute("PRAGMA data_version").fetchone()[0])
+
+        return await self._sqlite_writer.submit(read)
+
     async def probe(self) -> None:
         """Raises if the database cannot be reached (see shared.dependencies)."""
         await self.fetch(_PROBE)

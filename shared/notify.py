@@ -2,14 +2,16 @@
 
 Keys are short strings naming what changed (`trial:42`, `trials`). A writer calls `notify()`
 inside its transaction and `wake()` once it has committed. Waiters `watch()` keys and re-read
-the tables when woken: a notification only says "look again", the rows stay the truth.
+the tables when woken: a notification only says "look again", the rows stay the truth. An idle
+waiter costs nothing: it is woken by a change of one of its keys, never by a timer.
 
 On PostgreSQL `notify()` is a `pg_notify` (delivered to every replica at commit, never for a
 rolled-back transaction) and one connection per process LISTENs on the channel, so streams
-follow writes made through other replicas. SQLite has no notifications between processes: the
-local wake-up serves this process, and waiters look again every half second for writes of other
-processes sharing the file. On PostgreSQL they look again every 5 s, in case a notification was
-lost (the listening connection is re-established after failures, and wakes everyone when it is).
+follow writes made through other replicas. That connection is checked every few seconds, and
+re-established after a failure; since notifications sent meanwhile are lost, every waiter is woken
+once it listens again. SQLite has no notifications between processes: the local wake-up serves
+this process, and one task per process watches the file for commits of other processes sharing
+it (`Database.foreign_commits`), waking every waiter when there was one.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from shared.db import CONNECT_TIMEOUT_S, Database
-from shared.supervision import FailureStreak
+from shared.supervision import FailureStreak, Periodic
 
 # PostgreSQL refuses payloads of 8000 bytes or more.
 MAX_PAYLOAD = 7000
+# How often this process looks for other processes' commits to a shared SQLite file.
 SQLITE_POLL_PERIOD_S = 0.5
 MAX_RECONNECT_DELAY_S = 0.5
-POSTGRESQL_SAFETY_PERIOD_S = 5.0
+# How long the listening connection may stay silent before it is checked: a connection the network
+# dropped without a word would otherwise leave every waiter asleep.
+LISTEN_CHECK_PERIOD_S = 5.0
 
 
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
@@ -53,9 +58,8 @@ class Watch:
         if self._changed.is_set():
             self._changed.clear()
             return True
-        limit = self._feed.safety_period if timeout is None else min(timeout, self._feed.safety_period)
         try:
-            await asyncio.wait_for(self._changed.wait(), limit)
+            await asyncio.wait_for(self._changed.wait(), timeout)
             notified = True
         except asyncio.TimeoutError:
             notified = False
@@ -75,25 +79,41 @@ class ChangeFeed:
     def __init__(self, database: Database, channel: str) -> None:
         self.database = database
         self.channel = channel
-        self.safety_period = POSTGRESQL_SAFETY_PERIOD_S if database.is_postgresql else SQLITE_POLL_PERIOD_S
         self._watches: dict[str, set[Watch]] = {}
         self._listener: asyncio.Task[None] | None = None
+        self._foreign_commits = Periodic(
+            f"watching {channel} for other processes' commits",
+            self._look_for_foreign_commits,
+            SQLITE_POLL_PERIOD_S,
+        )
+        self._seen_commits: int | None = None
         self.listening = asyncio.Event()
 
     async def start(self) -> None:
-        """On PostgreSQL, start listening (returns once the first LISTEN is in place)."""
+        """Start following other processes' changes (on PostgreSQL, returns once the first LISTEN
+        is in place)."""
         if not self.database.is_postgresql:
+            self._foreign_commits.start()
             self.listening.set()
             return
         self._listener = asyncio.get_running_loop().create_task(self._listen(), name=f"listen-{self.channel}")
         await self.listening.wait()
 
     async def stop(self) -> None:
+        await self._foreign_commits.stop()
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
             self._listener = None
+
+    async def _look_for_foreign_commits(self) -> None:
+        # Looked at even with no watch: a watch that begins between a commit and the next look
+        # must still be woken by it.
+        seen = await self.database.foreign_commits()
+        if self._seen_commits is not None and seen != self._seen_commits:
+            self._wake_all()
+        self._seen_commits = seen
 
     def watch(self, keys: Iterable[str]) -> Watch:
         """Follow `keys` (use as a context manager, so the watch is forgotten)."""
@@ -142,9 +162,11 @@ class ChangeFeed:
                         streak.succeeded()
                         self._wake_all()  # changes made meanwhile were not notified
                     self.listening.set()
-                    async for notification in connection.notifies():
-                        self.wake(notification.payload.split(","))
-            except (psycopg.Error, OSError) as error:
+                    while True:
+                        async for notification in connection.notifies(timeout=LISTEN_CHECK_PERIOD_S):
+                            self.wake(notification.payload.split(","))
+                        await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
+            except (psycopg.Error, OSError, asyncio.TimeoutError) as error:
                 # Retried often: until it is back, other replicas' writes reach readers late.
                 delay = min(streak.failed(error), MAX_RECONNECT_DELAY_S)
                 self.listening.set()  # start-up must not hang on an unreachable database

@@ -326,16 +326,16 @@ class _ModelWatch:
                 try:
                     latest = await self.store.latest_number(self.model_id)
                 except Exception as error:  # keep following: the streams ride the outage out
-                    streak.failed(error)
                     self.dependencies.suspect()
-                else:
-                    streak.succeeded()
-                    if latest != self.latest:
-                        async with self.changed:
-                            self.latest = latest
-                            self.changed.notify_all()
-                    if latest is None:
-                        return
+                    await changes.wait(streak.failed(error))
+                    continue
+                streak.succeeded()
+                if latest != self.latest:
+                    async with self.changed:
+                        self.latest = latest
+                        self.changed.notify_all()
+                if latest is None:
+                    return
                 await changes.wait()
 
     def has_news(self, sent: int) -> bool:

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from shared.db import Database, Transaction
-from shared.notify import ChangeFeed, _payloads
+from shared.notify import SQLITE_POLL_PERIOD_S, ChangeFeed, _payloads
 
 
 async def _notify(database: Database, feed: ChangeFeed, keys: list[str]) -> None:
@@ -32,6 +32,41 @@ async def test_local_wake_reaches_only_watches_of_the_key(tmp_path: Path) -> Non
     finally:
         await feed.stop()
         await database.close()
+
+
+async def test_an_idle_watch_is_not_woken_without_a_change(tmp_path: Path) -> None:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'feed.db'}")
+    feed = ChangeFeed(database, "test")
+    await feed.start()
+    try:
+        with feed.watch(["a"]) as watch_a, feed.watch(["b"]) as watch_b:
+            # Not by a timer (a poll period passes several times over)...
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(watch_b.wait(), 4 * SQLITE_POLL_PERIOD_S)
+            # ...nor by this process's own commits of other keys.
+            await _notify(database, feed, ["a"])
+            assert await watch_a.wait(2)
+            assert not await watch_b.wait(4 * SQLITE_POLL_PERIOD_S)
+    finally:
+        await feed.stop()
+        await database.close()
+
+
+async def test_another_processs_commit_to_the_sqlite_file_wakes_every_watch(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'feed.db'}"
+    database, other_process = Database(url), Database(url)
+    feed = ChangeFeed(database, "test")
+    await feed.start()
+    try:
+        with feed.watch(["a"]) as watch:
+            await asyncio.sleep(2 * SQLITE_POLL_PERIOD_S)  # the feed has read the file's state
+            assert not await watch.wait(0)
+            await other_process.write(lambda transaction: transaction.execute(text("CREATE TABLE t (x)")))
+            assert await watch.wait(10 * SQLITE_POLL_PERIOD_S)
+    finally:
+        await feed.stop()
+        await database.close()
+        await other_process.close()
 
 
 async def test_notifications_reach_other_replicas_only_once_committed(postgres_url: str) -> None:
