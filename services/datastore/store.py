@@ -19,7 +19,6 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
-    exists,
     false,
     func,
     insert,
@@ -29,6 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from services.datastore.model import SampleAppend, TrialProgress, TrialRecord
+from shared import property_match
 from shared.db import Database, Transaction, in_batches
 from shared.digest import pair_digest, sha256_hex
 from shared.notify import ChangeFeed
@@ -203,22 +203,20 @@ class DatastoreStore:
             trials.c.trial_seq > after_seq,
             trials.c.trial_seq <= up_to_seq,
         ]
-        for name, value in trial_properties.items():
-            conditions.append(
-                exists().where(
-                    properties.c.trial_seq == trials.c.trial_seq,
-                    properties.c.pair_digest == pair_digest(name, value),
-                )
-            )
+        parameters: dict[str, Any] = {}
+        if trial_properties:
+            postgresql = self.db.is_postgresql
+            conditions.append(property_match.includes_every_pair(properties, trials.c.trial_seq, postgresql))
+            parameters = property_match.parameters(trial_properties)
         statement = select(*_TRIAL_COLUMNS).where(*conditions).order_by(trials.c.trial_seq)
         if not trial_ids:
-            rows = await self.db.fetch(statement if limit is None else statement.limit(limit))
+            rows = await self.db.fetch(statement if limit is None else statement.limit(limit), parameters)
             return [_trial_record(row) for row in rows]
         keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
         found: list[TrialRecord] = []
         for batch in in_batches(keys):
             chunk = statement.where(trials.c.trial_key.in_(batch))
-            found.extend(_trial_record(row) for row in await self.db.fetch(chunk))
+            found.extend(_trial_record(row) for row in await self.db.fetch(chunk, parameters))
         found.sort(key=lambda record: record.trial_seq)
         return found if limit is None else found[:limit]
 

@@ -18,10 +18,8 @@ from sqlalchemy import (
     Select,
     bindparam,
     delete,
-    exists,
     func,
     insert,
-    literal,
     select,
     text,
     update,
@@ -38,6 +36,7 @@ from services.directory.model import (
     Inquiry,
     Registration,
 )
+from shared import property_match
 from shared.db import Database, Transaction
 from shared.digest import pair_digest, sha256_hex
 from shared.schema import directory_service_properties as properties_table
@@ -95,20 +94,9 @@ def _service_row(registration: Registration, token_digest: str, now_ns: int) -> 
 
 
 @functools.cache
-def _capped_counts_statement(pair_count: int) -> Select[Any]:
-    """How many entries have each of `pair_count` properties, counting at most PROPERTY_COUNT_CAP."""
-    counts = []
-    for index in range(pair_count):
-        matching = (
-            select(literal(1))
-            .where(
-                properties_table.c.pair_digest == bindparam(f"pair_{index}"),
-            )
-            .limit(PROPERTY_COUNT_CAP)
-            .subquery()
-        )
-        counts.append(select(func.count()).select_from(matching).scalar_subquery())
-    return select(*counts)
+def _capped_counts_statement(postgresql: bool) -> Select[Any]:
+    """How many entries have each inquired property, counting at most PROPERTY_COUNT_CAP."""
+    return property_match.capped_counts(properties_table, PROPERTY_COUNT_CAP, postgresql)
 
 
 @functools.cache
@@ -121,37 +109,31 @@ def _by_id_statement() -> Select[Any]:
 
 
 @functools.cache
-def _by_details_statement(typed: bool, property_count: int) -> Select[Any]:
-    """The inquiry statement of one shape (built once: only the parameters change)."""
+def _by_details_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
+    """The inquiry statement of one shape (built once: only the parameters change, whatever the
+    number of properties inquired)."""
     conditions: list[ColumnElement[bool]] = [services.c.failed_checks == 0]
-    if property_count == 0:
+    if not with_properties:
         conditions.append(services.c.token_digest == bindparam("token"))
         if typed:
             conditions.append(services.c.service_type == bindparam("service_type"))
         return select(*_ENTRY_COLUMNS).where(*conditions).order_by(*_MOST_RECENT_FIRST)
-    # Drive from the property index with the rarest inquired property (parameter `pair_0`); the
-    # others are primary-key lookups per candidate. The planners must not drive from the
-    # (token, type) index instead, which would visit every entry of the type: on PostgreSQL the
-    # candidates are a MATERIALIZED CTE (a plan fence, whatever the table statistics say, e.g.
+    # Drive from the property index with the rarest inquired property (parameter `driving`); the
+    # candidates are then checked for every inquired property. The planners must not drive from
+    # the (token, type) index instead, which would visit every entry of the type: on PostgreSQL
+    # the candidates are a MATERIALIZED CTE (a plan fence, whatever the table statistics say, e.g.
     # right after a bulk load); on SQLite, which inlines the CTE, wrapping token and type in
     # coalesce() keeps their index out of the running.
     candidates = (
         select(properties_table.c.service_id)
-        .where(properties_table.c.pair_digest == bindparam("pair_0"))
+        .where(properties_table.c.pair_digest == bindparam("driving"))
         .cte("candidates")
         .prefix_with("MATERIALIZED", dialect="postgresql")
     )
     conditions.append(func.coalesce(services.c.token_digest, "") == bindparam("token"))
     if typed:
         conditions.append(func.coalesce(services.c.service_type, 0) == bindparam("service_type"))
-    other_properties = properties_table.alias("other_properties")
-    conditions += [
-        exists().where(
-            other_properties.c.service_id == services.c.service_id,
-            other_properties.c.pair_digest == bindparam(f"pair_{index}"),
-        )
-        for index in range(1, property_count)
-    ]
+    conditions.append(property_match.includes_every_pair(properties_table, services.c.service_id, postgresql))
     return (
         select(*_ENTRY_COLUMNS)
         .select_from(candidates.join(services, candidates.c.service_id == services.c.service_id))
@@ -358,14 +340,16 @@ class DirectoryStore:
             parameters["service_id"] = inquiry.service_id
             statement = _by_id_statement()
         else:
-            pairs = await self._rarest_first(inquiry.properties) if inquiry.properties else []
-            for index, pair in enumerate(pairs):
-                parameters[f"pair_{index}"] = pair_digest(*pair)
-            statement = _by_details_statement(inquiry.service_type != UNKNOWN_SERVICE, len(pairs))
+            if inquiry.properties:
+                parameters.update(property_match.parameters(inquiry.properties))
+                parameters["driving"] = pair_digest(*await self._rarest(inquiry.properties))
+            statement = _by_details_statement(
+                inquiry.service_type != UNKNOWN_SERVICE, bool(inquiry.properties), self.db.is_postgresql
+            )
         return [_entry(row) for row in await self.db.fetch(statement, parameters)]
 
-    async def _rarest_first(self, properties: dict[str, str]) -> list[tuple[str, str]]:
-        """The inquired properties, fewest entries first.
+    async def _rarest(self, properties: dict[str, str]) -> tuple[str, str]:
+        """The inquired property with the fewest entries.
 
         Counts only choose the query plan, never the result, so estimates do: a recent capped
         count of the (name, value) pair, else the typical count of the name's values (most names
@@ -374,7 +358,7 @@ class DirectoryStore:
         """
         pairs = sorted(properties.items())
         if len(pairs) == 1:
-            return pairs
+            return pairs[0]
         now = time.monotonic()
 
         def estimate(pair: tuple[str, str]) -> float | None:
@@ -384,17 +368,16 @@ class DirectoryStore:
             typical = self._name_counts.get(pair[0])
             return typical[0] if typical is not None and typical[1] >= now else None
 
-        unknown = [pair for pair in pairs if estimate(pair) is None]
+        unknown = {pair_digest(*pair): pair for pair in pairs if estimate(pair) is None}
         if unknown:
-            parameters: dict[str, Any] = {}
-            for index, pair in enumerate(unknown):
-                parameters[f"pair_{index}"] = pair_digest(*pair)
-            (counts,) = await self.db.fetch(_capped_counts_statement(len(unknown)), parameters)
+            statement = _capped_counts_statement(self.db.is_postgresql)
+            counts = await self.db.fetch(statement, property_match.parameters(dict(unknown.values())))
             expiry = now + PROPERTY_COUNT_TTL_S
-            for (name, value), count in zip(unknown, counts, strict=True):
+            for digest, count in counts:
+                name, value = unknown[digest]
                 _remember(self._pair_counts, (name, value), (float(count), expiry))
                 _remember(self._name_counts, name, (float(count), expiry))
-        return sorted(pairs, key=lambda pair: estimate(pair) or 0.0)
+        return min(pairs, key=lambda pair: estimate(pair) or 0.0)
 
     async def count(self) -> int:
         (row,) = await self.db.fetch(select(func.count()).select_from(services))

@@ -12,6 +12,7 @@ from google.protobuf import any_pb2
 from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds
+from shared.validation import MAX_PROPERTIES
 from tests.helpers.datastore import (
     add_trial,
     datalog_inputs,
@@ -230,6 +231,22 @@ async def test_trials_page_in_creation_order(datastore: RunningDatastore) -> Non
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await list_trials(datastore, trial_handle="x")
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_trials_selected_by_properties_up_to_the_limit(datastore: RunningDatastore) -> None:
+    full = {f"p{index}": f"v{index}" for index in range(MAX_PROPERTIES)}
+    await add_trial(datastore, "full", **full)
+    await add_trial(datastore, "one-differs", **dict(full, p7="other"))
+    one_missing = {name: value for name, value in full.items() if name != "p63"}
+    await add_trial(datastore, "one-missing", **one_missing)
+
+    async def selected(properties: dict[str, str]) -> list[str]:
+        return [info.trial_id for info in (await list_trials(datastore, properties=properties)).trial_infos]
+
+    assert await selected(full) == ["full"]
+    assert await selected(dict(full, p7="other")) == ["one-differs"]
+    without_p7_and_p63 = {name: value for name, value in full.items() if name not in ("p7", "p63")}
+    assert await selected(without_p7_and_p63) == ["full", "one-differs", "one-missing"]
 
 
 async def test_retrieve_trials_waits_for_trials_created_later(datastore: RunningDatastore) -> None:

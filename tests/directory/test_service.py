@@ -13,6 +13,7 @@ from sqlalchemy import select
 from shared import schema
 from shared.api import common_pb2, directory_pb2
 from shared.db import Database
+from shared.validation import MAX_PROPERTIES
 from tests.helpers.directory import (
     ACTOR,
     COGMENT,
@@ -123,6 +124,20 @@ async def test_inquiry_by_details_matches_type_and_property_subset(directory: Ru
     # An inquired empty value needs the property present with an empty value.
     assert await visible_ids(directory, properties={"a": ""}) == [actor_empty]
     assert await visible_ids(directory, properties={"b": ""}) == []
+
+
+async def test_inquiries_up_to_the_property_limit_match_exactly(directory: RunningDirectory) -> None:
+    full = {f"p{index}": f"v{index}" for index in range(MAX_PROPERTIES)}
+    one_differs = dict(full, p7="other")
+    one_missing = {name: value for name, value in full.items() if name != "p63"}
+    full_id, differs_id, missing_id = await register_ok(
+        directory, request(ACTOR, full), request(ACTOR, one_differs), request(ACTOR, one_missing)
+    )
+    assert await visible_ids(directory, properties=full) == [full_id]
+    assert await visible_ids(directory, properties=one_differs) == [differs_id]
+    assert await visible_ids(directory, properties=one_missing) == [missing_id, full_id]
+    without_p7 = {name: value for name, value in one_missing.items() if name != "p7"}
+    assert set(await visible_ids(directory, properties=without_p7)) == {full_id, differs_id, missing_id}
 
 
 async def test_most_recently_registered_first(directory: RunningDirectory) -> None:
