@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import random
 import time
+from collections.abc import AsyncIterator
 
 from prometheus_client import Counter
 
@@ -99,22 +100,33 @@ class Directory:
         deregistrations_total.labels("removed").inc()
         log.debug("deregistered", service_id=service_id)
 
-    async def inquire(self, inquiry: Inquiry, token: str) -> list[Entry]:
-        """Healthy matching entries visible with `token`: most recent first, or load balanced."""
+    async def inquire(self, inquiry: Inquiry, token: str) -> AsyncIterator[list[Entry]]:
+        """Healthy matching entries visible with `token`, in pages: most recent first, or load
+        balanced (each page shuffled). With a registration lag, an inquiry that finds nothing
+        looks again every second for that many seconds."""
         token_digest = sha256_hex(token)
-        entries = await self._find(inquiry, token_digest)
-        for _ in range(self.registration_lag_s):
-            if entries:
-                break
-            await asyncio.sleep(1.0)
-            entries = await self._find(inquiry, token_digest)
-        return self._balance(entries) if self.load_balancing else entries
+        for attempt in range(self.registration_lag_s + 1):
+            if attempt:
+                await asyncio.sleep(1.0)
+            found = False
+            async for page in self._find(inquiry, token_digest):
+                found = True
+                yield page
+            if found:
+                return
 
-    async def _find(self, inquiry: Inquiry, token_digest: str) -> list[Entry]:
-        entries = await self._store.find(inquiry, token_digest)
-        if self.check_on_inquire and entries:
-            entries = await self._recheck(entries)
-        return entries
+    async def _find(self, inquiry: Inquiry, token_digest: str) -> AsyncIterator[list[Entry]]:
+        lowest: int | None = None
+        if self.load_balancing and inquiry.service_id is None:
+            lowest = await self._store.lowest_load(inquiry, token_digest)
+            if lowest is None:
+                return
+        async for found in self._store.find(inquiry, token_digest):
+            page = await self._recheck(found) if self.check_on_inquire else found
+            if self.load_balancing:
+                page = self._balance(page, lowest)
+            if page:
+                yield page
 
     async def _recheck(self, entries: list[Entry]) -> list[Entry]:
         now = time.time_ns()
@@ -143,13 +155,15 @@ class Directory:
         return kept
 
     @staticmethod
-    def _balance(entries: list[Entry]) -> list[Entry]:
+    def _balance(entries: list[Entry], lowest: int | None) -> list[Entry]:
         """Least loaded first: drop unserviceable entries (load 255), keep those within
-        ACCEPTABLE_LOAD_RANGE of the lowest load, and shuffle them to spread the work."""
+        ACCEPTABLE_LOAD_RANGE of the lowest load of all the matches (`lowest`; None: of these
+        entries), and shuffle them to spread the work."""
         serviceable = [entry for entry in entries if entry.load < UNSERVICEABLE]
         if not serviceable:
             return []
-        lowest = min(entry.load for entry in serviceable)
+        if lowest is None:
+            lowest = min(entry.load for entry in serviceable)
         kept = [entry for entry in serviceable if entry.load <= lowest + ACCEPTABLE_LOAD_RANGE]
         random.shuffle(kept)
         return kept

@@ -154,5 +154,6 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
         self, request: directory_pb2.InquireRequest, context: Any
     ) -> AsyncIterator[directory_pb2.InquireReply]:
         inquiry, token = inquiry_from_request(request, authentication_token(context))
-        for entry in await self.directory.inquire(inquiry, token):
-            yield directory_pb2.InquireReply(data=full_service_data(entry))
+        async for page in self.directory.inquire(inquiry, token):
+            for entry in page:
+                yield directory_pb2.InquireReply(data=full_service_data(entry))

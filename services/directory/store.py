@@ -9,12 +9,13 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import (
     ColumnElement,
+    Integer,
     Select,
     bindparam,
     delete,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     insert,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.exc import IntegrityError
@@ -39,6 +41,7 @@ from services.directory.model import (
 from shared import property_match
 from shared.db import Database, Transaction
 from shared.digest import pair_digest, sha256_hex
+from shared.load import UNSERVICEABLE
 from shared.schema import directory_service_properties as properties_table
 from shared.schema import directory_services as services
 from shared.schema import directory_settings as settings
@@ -52,6 +55,11 @@ PROPERTY_COUNT_CAP = 100
 PROPERTY_COUNT_TTL_S = 30.0
 PROPERTY_COUNT_CACHE_SIZE = 10_000
 _MOST_RECENT_FIRST = (services.c.registered_at.desc(), services.c.service_id.desc())
+# Inquiries are answered in pages (see DirectoryStore.find): most answer within the first.
+PAGE_FIRST_ROWS = 16
+PAGE_MAX_ROWS = 1000
+PAGE_BYTES = 4 * 1024 * 1024
+_AFTER_EVERYTHING = 2**63 - 1  # registered_at and service_id are both below it
 _ENTRY_COLUMNS = (
     services.c.service_id,
     services.c.protocol,
@@ -109,15 +117,15 @@ def _by_id_statement() -> Select[Any]:
 
 
 @functools.cache
-def _by_details_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
-    """The inquiry statement of one shape (built once: only the parameters change, whatever the
-    number of properties inquired)."""
+def _matching_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
+    """The entries an inquiry by details matches, of one shape (built once: only the parameters
+    change, whatever the number of properties inquired); unordered."""
     conditions: list[ColumnElement[bool]] = [services.c.failed_checks == 0]
     if not with_properties:
         conditions.append(services.c.token_digest == bindparam("token"))
         if typed:
             conditions.append(services.c.service_type == bindparam("service_type"))
-        return select(*_ENTRY_COLUMNS).where(*conditions).order_by(*_MOST_RECENT_FIRST)
+        return select(*_ENTRY_COLUMNS).where(*conditions)
     # Drive from the property index with the rarest inquired property (parameter `driving`); the
     # candidates are then checked for every inquired property. The planners must not drive from
     # the (token, type) index instead, which would visit every entry of the type: on PostgreSQL
@@ -138,8 +146,27 @@ def _by_details_statement(typed: bool, with_properties: bool, postgresql: bool) 
         select(*_ENTRY_COLUMNS)
         .select_from(candidates.join(services, candidates.c.service_id == services.c.service_id))
         .where(*conditions)
-        .order_by(*_MOST_RECENT_FIRST)
     )
+
+
+@functools.cache
+def _page_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
+    """A page of the matches, most recent first, from the position after (`before_at`,
+    `before_id`), at most `rows`."""
+    position = tuple_(services.c.registered_at, services.c.service_id)
+    return (
+        _matching_statement(typed, with_properties, postgresql)
+        .where(position < tuple_(bindparam("before_at"), bindparam("before_id")))
+        .order_by(*_MOST_RECENT_FIRST)
+        .limit(bindparam("rows", type_=Integer))
+    )
+
+
+@functools.cache
+def _lowest_load_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
+    """The lowest load of the serviceable matches (None: there is none)."""
+    matches = _matching_statement(typed, with_properties, postgresql).subquery()
+    return select(func.min(matches.c.load)).where(matches.c.load < UNSERVICEABLE)
 
 
 K = TypeVar("K")
@@ -331,22 +358,49 @@ class DirectoryStore:
         statement = delete(services).where(services.c.service_id == service_id)
         return await self.db.write(lambda transaction: bool(transaction.execute(statement).rowcount))
 
-    async def find(self, inquiry: Inquiry, token_digest: str) -> list[Entry]:
-        """Healthy entries visible with this token that match the inquiry, most recent first."""
-        parameters: dict[str, Any] = {"token": token_digest, "service_type": inquiry.service_type}
+    async def find(self, inquiry: Inquiry, token_digest: str) -> AsyncIterator[list[Entry]]:
+        """Healthy entries visible with this token that match the inquiry, most recent first, in
+        pages: a wide inquiry holds one page at a time, and other calls' reads run between its
+        pages. A page has PAGE_FIRST_ROWS rows, the next ones about PAGE_BYTES (sized from the
+        previous page's entries)."""
         if inquiry.service_id is not None:
-            if not 0 < inquiry.service_id <= MAX_SERVICE_ID:
-                return []
-            parameters["service_id"] = inquiry.service_id
-            statement = _by_id_statement()
-        else:
-            if inquiry.properties:
-                parameters.update(property_match.parameters(inquiry.properties))
-                parameters["driving"] = pair_digest(*await self._rarest(inquiry.properties))
-            statement = _by_details_statement(
-                inquiry.service_type != UNKNOWN_SERVICE, bool(inquiry.properties), self.db.is_postgresql
+            if 0 < inquiry.service_id <= MAX_SERVICE_ID:
+                by_id = {"token": token_digest, "service_id": inquiry.service_id}
+                yield [_entry(row) for row in await self.db.fetch(_by_id_statement(), by_id)]
+            return
+        shape, parameters = await self._details(inquiry, token_digest)
+        parameters.update(before_at=_AFTER_EVERYTHING, before_id=_AFTER_EVERYTHING, rows=PAGE_FIRST_ROWS)
+        while True:
+            rows = await self.db.fetch(_page_statement(*shape), parameters)
+            if rows:
+                yield [_entry(row) for row in rows]
+            if len(rows) < parameters["rows"]:
+                return
+            last = rows[-1]
+            page_bytes = sum(len(row[5]) + len(row[2]) for row in rows)  # properties and host
+            parameters.update(
+                before_at=last[7],
+                before_id=last[0],
+                rows=max(1, min(PAGE_MAX_ROWS, PAGE_BYTES * len(rows) // max(page_bytes, 1))),
             )
-        return [_entry(row) for row in await self.db.fetch(statement, parameters)]
+            del rows, last  # one page held at a time
+
+    async def lowest_load(self, inquiry: Inquiry, token_digest: str) -> int | None:
+        """The lowest load among the serviceable entries an inquiry by details matches."""
+        shape, parameters = await self._details(inquiry, token_digest)
+        ((lowest,),) = await self.db.fetch(_lowest_load_statement(*shape), parameters)
+        return None if lowest is None else int(lowest)
+
+    async def _details(
+        self, inquiry: Inquiry, token_digest: str
+    ) -> tuple[tuple[bool, bool, bool], dict[str, Any]]:
+        """The statement shape and parameters of an inquiry by details."""
+        parameters: dict[str, Any] = {"token": token_digest, "service_type": inquiry.service_type}
+        if inquiry.properties:
+            parameters.update(property_match.parameters(inquiry.properties))
+            parameters["driving"] = pair_digest(*await self._rarest(inquiry.properties))
+        shape = (inquiry.service_type != UNKNOWN_SERVICE, bool(inquiry.properties), self.db.is_postgresql)
+        return shape, parameters
 
     async def _rarest(self, properties: dict[str, str]) -> tuple[str, str]:
         """The inquired property with the fewest entries.

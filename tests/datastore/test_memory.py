@@ -11,20 +11,13 @@ import grpc
 from shared.api import common_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
 from tests.helpers.datastore import datalog_inputs, datalog_sample, trial_params
-from tests.helpers.services import start_service
+from tests.helpers.services import rss_bytes, start_service
 
 SAMPLE_BYTES = 2 * 1024 * 1024
 SAMPLES = 150  # 300 MiB stored
 READ_BATCH_BYTES = 8 * 1024 * 1024
 # Above the batch: gRPC's own buffers (its flow-control window, the message being sent).
 MARGIN_BYTES = 64 * 1024 * 1024
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 async def test_a_reader_that_stops_reading_holds_about_one_batch(tmp_path: Path) -> None:

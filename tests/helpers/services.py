@@ -88,6 +88,14 @@ class RunningService:
         self.stop()
 
 
+def rss_bytes(pid: int) -> int:
+    """The resident memory of a process (what a memory test asserts on)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
 def clean_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without its COGMENT_* variables, plus `extra`."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("COGMENT_")}

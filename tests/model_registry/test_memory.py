@@ -12,7 +12,7 @@ import grpc
 from shared.api import model_registry_pb2 as mr
 from shared.api import model_registry_pb2_grpc
 from tests.helpers.digest import sha256_b64
-from tests.helpers.services import start_service
+from tests.helpers.services import rss_bytes, start_service
 
 MiB = 1024 * 1024
 VERSION_BYTES = 60 * MiB
@@ -21,13 +21,6 @@ CACHE_BYTES = 256 * MiB
 CHUNK = 2 * MiB
 # Above the budget: the versions being streamed (a few chunks each) and gRPC's own buffers.
 MARGIN_BYTES = 128 * MiB
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 async def test_concurrent_cold_downloads_stay_within_the_cache_budget(tmp_path: Path) -> None:
