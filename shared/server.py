@@ -189,8 +189,15 @@ async def serve(
     dependencies = service.dependencies
     server = grpc.aio.server(
         interceptors=[ObservabilityInterceptor(dependencies.suspect)],
-        # No SO_REUSEPORT: a second instance on a port in use must fail, not share the connections.
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)],
+        options=[
+            # No SO_REUSEPORT: a second instance on a port in use must fail, not share the connections.
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+            # No bandwidth-delay probing: it grows the flow-control windows of the streams a service
+            # has stopped reading (to bound what it holds) until gRPC itself buffers hundreds of MiB
+            # for them. A message being read still gets a window of its whole size.
+            ("grpc.http2.bdp_probe", 0),
+        ],
     )
     health = HealthServicer()
     try:
