@@ -9,6 +9,11 @@ in order and one transaction runs at a time, so each trial's samples keep their 
 Buffers count what is committed: a stream acknowledges that many (an acknowledged sample is
 durable). Bookkeeping is per buffer and per batch, not per sample: at thousands of samples a
 second, per-sample futures would cost the event loop more than the conversion does.
+
+What is received and not yet committed is bounded, per stream (`max_stream_samples`,
+`max_stream_bytes`) and for the process (`max_in_flight_bytes`): past a bound, a stream reads no
+further (`has_room`, `wait_for_room`) until commits make room, and gRPC flow control then holds
+its sender back. A stream may go over by the one message it was reading when the bound was reached.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from shared.supervision import Supervised
 
 DEFAULT_MAX_SAMPLES = 1000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_STREAM_SAMPLES = 2000
+DEFAULT_MAX_STREAM_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_IN_FLIGHT_BYTES = 256 * 1024 * 1024
 # On shutdown, pending samples get this long to be written.
 STOP_TIMEOUT_S = 5.0
 
@@ -50,6 +58,8 @@ class IngestionBuffer:
         self.closed = False
         self.submitted = 0
         self.committed = 0
+        # Bytes received and not yet committed (nor failed).
+        self.in_flight_bytes = 0
         self.failure: Exception | None = None
         # Set whenever `committed`, `closed` or `failure` changes.
         self.progressed = asyncio.Event()
@@ -63,6 +73,8 @@ class IngestionBuffer:
         self._samples.append(data)
         self._states.append(state)
         self.submitted += 1
+        self.in_flight_bytes += len(data)
+        self._batcher.received(len(data))
         self._batcher.schedule(self)
 
     def close(self) -> None:
@@ -90,13 +102,18 @@ class IngestionBuffer:
         )
         return append, sum(len(data) for data in samples)
 
-    def stored(self, append: SampleAppend) -> None:
+    def stored(self, append: SampleAppend, size: int) -> None:
         self.committed += len(append.samples)
         self.closed = self.closed or append.close
+        self.in_flight_bytes -= size
+        self._batcher.released(size)
         self.progressed.set()
 
     def failed(self, error: Exception) -> None:
         self.failure = error
+        # Nothing more of this stream is written: what it held no longer counts.
+        self._batcher.released(self.in_flight_bytes)
+        self.in_flight_bytes = 0
         self.progressed.set()
 
 
@@ -108,11 +125,20 @@ class SampleBatcher:
         *,
         max_samples: int = DEFAULT_MAX_SAMPLES,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        max_stream_samples: int = DEFAULT_MAX_STREAM_SAMPLES,
+        max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
     ) -> None:
         self._store = store
         self._dependencies = dependencies or Dependencies([])
         self.max_samples = max_samples
         self.max_bytes = max_bytes
+        self.max_stream_samples = max_stream_samples
+        self.max_stream_bytes = max_stream_bytes
+        self.max_in_flight_bytes = max_in_flight_bytes
+        # Bytes received by every stream and not yet committed, and the streams waiting for room.
+        self.in_flight_bytes = 0
+        self._room_waiters: set[asyncio.Event] = set()
         self._queue: deque[IngestionBuffer] = deque()
         self._ready = asyncio.Event()
         self._writer = Supervised("sample-writer", self._write_forever)
@@ -138,14 +164,40 @@ class SampleBatcher:
     def open(self, trial_seq: int) -> IngestionBuffer:
         return IngestionBuffer(self, trial_seq)
 
+    def has_room(self, buffer: IngestionBuffer) -> bool:
+        """Whether the stream of `buffer` may read another sample."""
+        return (
+            buffer.in_flight < self.max_stream_samples
+            and buffer.in_flight_bytes < self.max_stream_bytes
+            and self.in_flight_bytes < self.max_in_flight_bytes
+        )
+
+    async def wait_for_room(self, woken: asyncio.Event) -> None:
+        """Until something was committed or failed, by any stream (or `woken` was set)."""
+        self._room_waiters.add(woken)
+        try:
+            await woken.wait()
+        finally:
+            self._room_waiters.discard(woken)
+            woken.clear()
+
+    def received(self, size: int) -> None:
+        self.in_flight_bytes += size
+
+    def released(self, size: int) -> None:
+        self.in_flight_bytes -= size
+        if size:
+            for waiter in self._room_waiters:
+                waiter.set()
+
     def schedule(self, buffer: IngestionBuffer) -> None:
         if not buffer.queued:
             buffer.queued = True
             self._queue.append(buffer)
             self._ready.set()
 
-    def _take_batch(self) -> list[tuple[IngestionBuffer, SampleAppend]]:
-        batch: list[tuple[IngestionBuffer, SampleAppend]] = []
+    def _take_batch(self) -> list[tuple[IngestionBuffer, SampleAppend, int]]:
+        batch: list[tuple[IngestionBuffer, SampleAppend, int]] = []
         samples = size = 0
         while self._queue and samples < self.max_samples and size < self.max_bytes:
             buffer = self._queue.popleft()
@@ -153,7 +205,7 @@ class SampleBatcher:
                 buffer.queued = False
                 continue
             append, append_size = buffer.take(self.max_samples - samples)
-            batch.append((buffer, append))
+            batch.append((buffer, append, append_size))
             samples += len(append.samples)
             size += append_size
             if buffer.has_work():
@@ -174,15 +226,15 @@ class SampleBatcher:
                     await self._write(batch)
                 except Exception as error:  # a bug: its streams fail, the others go on
                     log.error("could not write a batch of samples", exc_info=error)
-                    for buffer, _ in batch:
+                    for buffer, _, _ in batch:
                         buffer.failed(error)
             if self._stopping:
                 return
 
-    async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend]]) -> None:
+    async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend, int]]) -> None:
         if not batch:  # every queued stream had failed
             return
-        appends = [append for _, append in batch]
+        appends = [append for _, append, _ in batch]
         try:
             # An outage is ridden out: the samples stay here and are written once the database is
             # back (their streams wait, unacknowledged), up to the outage bound.
@@ -191,7 +243,7 @@ class SampleBatcher:
             failure = classify(error)
             if failure is not None:  # no stream is at fault: each of them reports it
                 log.warning("could not store samples", streams=len(batch), error=str(failure))
-                for buffer, _ in batch:
+                for buffer, _, _ in batch:
                     buffer.failed(failure)
                 return
             if len(batch) > 1:  # the transaction rolled back: find the append at fault
@@ -201,8 +253,8 @@ class SampleBatcher:
             log.warning("could not store samples", trial_seq=batch[0][1].trial_seq, error=str(error))
             batch[0][0].failed(error)  # its stream reports it
             return
-        for (buffer, append), first in zip(batch, firsts, strict=True):
+        for (buffer, append, size), first in zip(batch, firsts, strict=True):
             if first is None:
                 buffer.failed(TrialMissing())
             else:
-                buffer.stored(append)
+                buffer.stored(append, size)

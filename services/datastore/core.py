@@ -46,9 +46,6 @@ from shared.validation import (
 # (a reader sizes each batch from the samples of its previous one; its first is one sample).
 READ_BATCH = 500
 DEFAULT_READ_BATCH_BYTES = 8 * 1024 * 1024
-# Unacknowledged samples one ingestion stream may have in flight: past it, the stream stops
-# reading (gRPC flow control then slows the sender) until commits catch up.
-MAX_IN_FLIGHT = 2000
 # The user id of trials ingested without a `user-id` header (the reference's constant).
 DEFAULT_DATALOG_USER_ID = "log exporter server"
 KNOWN_STATES = frozenset(common_pb2.TrialState.values())
@@ -74,6 +71,7 @@ class Ingestion:
     ) -> None:
         self.trial = trial
         self._converter = converter
+        self._batcher = datastore.batcher
         self._buffer = datastore.batcher.open(trial.trial_seq)
         self._saw_ended = trial.ended
         self._leases = datastore.leases
@@ -95,8 +93,9 @@ class Ingestion:
 
     async def _acknowledged(self, requests: AsyncIterator[R], add: Callable[[R], None]) -> AsyncIterator[int]:
         # Reading runs ahead of the commits (that is what lets many samples share a transaction),
-        # at most MAX_IN_FLIGHT samples ahead.
+        # within the batcher's bounds on what is in flight.
         buffer = self._buffer
+        batcher = self._batcher
         read_failure: list[Exception] = []
         reading = True
         dropping = False
@@ -108,9 +107,8 @@ class Ingestion:
                     if dropping:
                         continue  # the call failed: what still comes is read only to be dropped
                     add(request)
-                    while buffer.in_flight >= MAX_IN_FLIGHT and buffer.failure is None and not dropping:
-                        await room.wait()
-                        room.clear()
+                    while not batcher.has_room(buffer) and buffer.failure is None and not dropping:
+                        await batcher.wait_for_room(room)
             except Exception as error:  # a bad sample, or the stream broke: after what came before
                 read_failure.append(error)
             finally:

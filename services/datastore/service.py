@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.datastore.batcher import DEFAULT_MAX_SAMPLES, SampleBatcher
+from services.datastore.batcher import (
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    DEFAULT_MAX_SAMPLES,
+    DEFAULT_MAX_STREAM_BYTES,
+    SampleBatcher,
+)
 from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
 from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
 from services.datastore.servicer import add_datastore_servicers
@@ -33,6 +38,14 @@ OPTIONS: list[Option] = [
     Option("read_batch_bytes", "bytes of stored samples a replaying reader reads at once, and holds "
            "at most while its client reads slowly (a larger sample is read alone)",
            DEFAULT_READ_BATCH_BYTES, f"{ENV_PREFIX}_READ_BATCH_BYTES", positive_int),
+    Option("ingestion_stream_bytes", "bytes of samples one ingestion stream may have received and not "
+           "yet committed: past it the stream reads no further (gRPC flow control holds its sender "
+           "back) until commits catch up", DEFAULT_MAX_STREAM_BYTES,
+           f"{ENV_PREFIX}_INGESTION_STREAM_BYTES", positive_int),
+    Option("ingestion_bytes", "bytes of samples every ingestion stream together may have received and "
+           "not yet committed: past it streams read no further until commits catch up (each may "
+           "go over by the one message it was reading)", DEFAULT_MAX_IN_FLIGHT_BYTES,
+           f"{ENV_PREFIX}_INGESTION_BYTES", positive_int),
     Option("ingestion_lease", "seconds after which a trial whose ingesting process died (its "
            "stream never closed) is closed as interrupted, by any replica", DEFAULT_LEASE_S,
            f"{ENV_PREFIX}_INGESTION_LEASE", positive_float),
@@ -45,7 +58,9 @@ class DatastoreSettings(ServerSettings, RegistrationSettings):
     """The values of OPTIONS."""
 
     batch_max_samples: int
+    ingestion_bytes: int
     ingestion_lease: float
+    ingestion_stream_bytes: int
     read_batch_bytes: int
 
 
@@ -62,7 +77,13 @@ class DatastoreService(Service[DatastoreSettings]):
         super().__init__(settings)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database, self.feed)
-        self.batcher = SampleBatcher(self.store, self.dependencies, max_samples=settings.batch_max_samples)
+        self.batcher = SampleBatcher(
+            self.store,
+            self.dependencies,
+            max_samples=settings.batch_max_samples,
+            max_stream_bytes=settings.ingestion_stream_bytes,
+            max_in_flight_bytes=settings.ingestion_bytes,
+        )
         self.leases = IngestionLeases(self.store, settings.ingestion_lease, self.dependencies)
         self.datastore = TrialDatastore(
             self.store,

@@ -85,3 +85,30 @@ async def test_a_deleted_trial_fails_its_stream_only(store: RecordingStore) -> N
     await batcher.stop()
     assert buffers[0].committed == 1 and buffers[0].failure is None
     assert buffers[1].committed == 0 and buffers[1].failure is not None
+
+
+async def test_bytes_in_flight_are_bounded_per_stream_and_per_process(store: RecordingStore) -> None:
+    seqs = [await store.upsert_trial(name, "u", b"", {}, 0) for name in ["a", "b", "gone"]]
+    batcher = SampleBatcher(store, max_stream_bytes=100, max_in_flight_bytes=250)
+    first, second, doomed = (batcher.open(seq) for seq in seqs)
+    first.add(b"x" * 99, NO_STATE)
+    assert batcher.has_room(first)
+    first.add(b"x", NO_STATE)  # its own bound reached: only this stream waits
+    assert not batcher.has_room(first) and batcher.has_room(second)
+    second.add(b"y" * 90, NO_STATE)
+    doomed.add(b"z" * 60, NO_STATE)  # 250 bytes in flight: every stream waits
+    assert batcher.in_flight_bytes == 250
+    assert not any(batcher.has_room(buffer) for buffer in (first, second, doomed))
+
+    await store.delete_trials(["gone"])
+    woken = asyncio.Event()
+    waiting = asyncio.create_task(batcher.wait_for_room(woken))
+    batcher.start()  # commits make room, and wake whoever waits for it
+    await asyncio.wait_for(waiting, 30)
+    await asyncio.wait_for(asyncio.gather(*(_settled(b) for b in (first, second, doomed))), 30)
+    await batcher.stop()
+    # A failed stream's samples (its trial was deleted) no longer count either.
+    assert doomed.failure is not None
+    assert (first.in_flight_bytes, second.in_flight_bytes, doomed.in_flight_bytes) == (0, 0, 0)
+    assert batcher.in_flight_bytes == 0
+    assert all(batcher.has_room(buffer) for buffer in (first, second))

@@ -1,15 +1,18 @@
-"""Memory bounded by settings, not by what clients do: a replaying reader that stops reading holds
-about one read batch (`--read_batch_bytes`), measured on a real server process's RSS."""
+"""Memory bounded by settings, not by what clients do, measured on a real server process's RSS: a
+replaying reader that stops reading holds about one read batch (`--read_batch_bytes`); ingestion
+streams whose commits stall hold about `--ingestion_bytes`."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
 
-from shared.api import common_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
+from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
+from tests.fixtures.postgres import PostgresCluster, new_database_name
 from tests.helpers.datastore import datalog_inputs, datalog_sample, trial_params
 from tests.helpers.services import rss_bytes, start_service
 
@@ -57,3 +60,61 @@ async def test_a_reader_that_stops_reading_holds_about_one_batch(tmp_path: Path)
             while (reply := await reader.read()) is not grpc.aio.EOF:
                 ticks.append(reply.trial_sample.tick_id)
             assert ticks == list(range(SAMPLES))
+
+
+INGESTION_BYTES = 32 * 1024 * 1024
+STREAMS = 8
+STREAM_SAMPLES = 40  # 80 MiB per stream, 640 MiB in all
+UNCOUNTED_BYTES = 128 * 1024 * 1024
+
+
+async def test_ingestion_in_flight_is_bounded_while_commits_stall(
+    faulty_postgres: PostgresCluster, tmp_path: Path
+) -> None:
+    url = faulty_postgres.create_database(new_database_name())
+    args = ["--database_url", url, "--log_level", "info", "--outage_bound", "60"]
+    args += ["--ingestion_bytes", str(INGESTION_BYTES)]
+    with await asyncio.to_thread(start_service, "services.datastore", args, log_dir=tmp_path) as service:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            datalog = datalog_pb2_grpc.DatalogSPStub(channel)
+            await asyncio.sleep(1.0)
+            idle = rss_bytes(service.process.pid)
+
+            def samples(stream: int) -> list[datalog_pb2.DatalogSample]:
+                made = []
+                for tick in range(STREAM_SAMPLES):
+                    state = common_pb2.ENDED if tick == STREAM_SAMPLES - 1 else common_pb2.RUNNING
+                    sample = datalog_sample(tick, state)
+                    sample.observations.observations[0] = bytes([stream, tick]) * (SAMPLE_BYTES // 2)
+                    made.append(sample)
+                return made
+
+            async def ingest(stream: int) -> int:
+                call = datalog.RunTrialDatalog(
+                    iter(datalog_inputs(trial_params(), samples(stream))),
+                    metadata=(("trial-id", f"t{stream}"),),
+                )
+                return len([ack async for ack in call])
+
+            # The trials exist before the database stops answering: only the samples wait.
+            streams = [asyncio.create_task(ingest(stream)) for stream in range(STREAMS)]
+            await asyncio.sleep(1.0)
+            faulty_postgres.pause()
+            try:
+                peak = 0
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline:
+                    peak = max(peak, rss_bytes(service.process.pid) - idle)
+                    await asyncio.sleep(0.1)
+            finally:
+                faulty_postgres.resume()
+            print(
+                f"datastore: RSS grew {peak / 2**20:.1f} MiB with {STREAMS} streams of 2 MiB samples stalled"
+            )
+            # The budget and each stream's message being read, plus what the budget does not
+            # cover: gRPC's buffers and the database connection's (libpq keeps a connection's at
+            # the largest batch it sent). Unbounded, this load grew it by 780 MiB; 110 MiB now.
+            bound = INGESTION_BYTES + STREAMS * SAMPLE_BYTES + UNCOUNTED_BYTES
+            assert peak < bound, f"RSS grew {peak / 2**20:.0f} MiB"
+            # The streams waited (flow control), they did not fail: every sample is acknowledged.
+            assert await asyncio.wait_for(asyncio.gather(*streams), 120) == [STREAM_SAMPLES + 1] * STREAMS
