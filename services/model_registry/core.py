@@ -230,14 +230,15 @@ class ModelRegistry:
         if not record.info.archived:
             await self._store.touch(record.info.model_id, record.info.version_number, time.time_ns())
         if self._hot.accepts(record.info.data_size):
-            data = await self._hot.get(
+            hot = self._hot.chunks(
                 record.blob_key,
                 record.info.data_size,
-                lambda: self._blobs.read(record.blob_key, self.chunk_size),
+                functools.partial(self._blobs.read_into, record.blob_key, chunk_size=self.chunk_size),
+                self.chunk_size,
             )
-            if data is not None:
-                for start in range(0, len(data), self.chunk_size):
-                    yield data[start : start + self.chunk_size]
+            if hot is not None:
+                async for view in hot:
+                    yield view
                 return
         sent = False
         async for chunk in self._blobs.read(record.blob_key, self.chunk_size):

@@ -6,22 +6,55 @@ up any more (the registry resolves versions in the database first; this process 
 them at once). Memory is bounded by bytes, versions being loaded included: a load reserves its
 size in the budget first (least recently used versions make room), and a version that finds no
 room, or is larger than a quarter of the budget, is streamed from the blob store instead.
-Concurrent first requests for one version share a single read of the blob.
+
+A version is read from the blob store once, by a load of its own, whatever the number of callers:
+they are sent its bytes as they arrive (the first byte does not wait for the last), and a caller
+that goes away does not stop the load for the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from prometheus_client import Counter, Gauge
+
+from shared.logging import get_logger
 
 hits_total = Counter("cogment_model_registry_data_cache_hits_total", "Version data served from memory.")
 misses_total = Counter(
     "cogment_model_registry_data_cache_misses_total", "Version data read from the blob store."
 )
 cached_bytes = Gauge("cogment_model_registry_data_cache_bytes", "Bytes of version data held in memory.")
+
+log = get_logger("model_registry.hot_versions")
+
+# Fills a buffer with a version's data, calling back with how much has arrived after each part
+# (see BlobStore.read_into).
+Fill = Callable[[memoryview, Callable[[int], None]], Awaitable[None]]
+
+
+class _Load:
+    """One version being read into memory: how much of it has arrived, and how it ended."""
+
+    def __init__(self, size: int) -> None:
+        # An anonymous mapping: its pages are zeroed as the data reaches them (a bytearray is
+        # zeroed whole first, 30 ms for 50 MiB before the first byte is read), and unmapped once
+        # the last view goes.
+        self.buffer = mmap.mmap(-1, size)
+        self.view = memoryview(self.buffer)
+        self.filled = 0
+        self.error: BaseException | None = None
+        self.forgotten = False
+        self.task: asyncio.Task[None] | None = None
+        # Replaced at each step: a reader takes the current one before looking at `filled`.
+        self.progressed = asyncio.Event()
+
+    def step(self) -> None:
+        progressed, self.progressed = self.progressed, asyncio.Event()
+        progressed.set()
 
 
 class HotVersions:
@@ -33,51 +66,70 @@ class HotVersions:
         # `_loading_bytes`).
         self._size = 0
         self._loading_bytes = 0
-        self._loading: dict[str, asyncio.Future[memoryview]] = {}
+        self._loading: dict[str, _Load] = {}
 
     def accepts(self, size: int) -> bool:
         return 0 < size <= self.max_item_bytes
 
-    async def get(
-        self, blob_key: str, size: int, load: Callable[[], AsyncIterator[bytes]]
-    ) -> memoryview | None:
-        """The blob's bytes (`size` of them, read-only), from memory or read once with `load`
-        (shared by concurrent callers); None when there is no room to load it: stream it."""
+    def chunks(
+        self, blob_key: str, size: int, fill: Fill, chunk_size: int
+    ) -> AsyncIterator[memoryview] | None:
+        """The blob's bytes (`size` of them) in read-only chunks of at most `chunk_size`: from
+        memory, from the load under way, or from a load started now with `fill`. None when
+        there is no room to load it: stream it from the blob store."""
         data = self._items.get(blob_key)
         if data is not None:
             self._items.move_to_end(blob_key)
             hits_total.inc()
-            return data
-        pending = self._loading.get(blob_key)
-        if pending is not None:
+            return _slices(data, chunk_size)
+        loading = self._loading.get(blob_key)
+        if loading is not None:
             hits_total.inc()
-            return await asyncio.shield(pending)
+            return _following(loading, chunk_size)
         misses_total.inc()
         if not self._reserve(size):
             return None
-        future: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
-        self._loading[blob_key] = future
+        loading = self._loading[blob_key] = _Load(size)
+        loading.task = asyncio.get_running_loop().create_task(
+            self._fill(blob_key, loading, fill), name=f"hot-version-{blob_key}"
+        )
+        return _following(loading, chunk_size)
+
+    async def _fill(self, blob_key: str, loading: _Load, fill: Fill) -> None:
+        size = len(loading.buffer)
+
+        def arrived(filled: int) -> None:
+            loading.filled = filled
+            loading.step()
+
         try:
-            data = await _read_into(bytearray(size), load())
-        except BaseException as error:
+            await fill(loading.view, arrived)
+        except BaseException as error:  # its readers fail with it (a cancellation included)
+            loading.error = error
             self._release(size)
-            future.set_exception(error)
-            future.exception()  # retrieved: waiters get it, nobody else needs to
-            raise
+            if not isinstance(error, asyncio.CancelledError):
+                log.warning("could not load a version's data", blob_key=blob_key, error=str(error))
+        else:
+            if loading.forgotten:  # deleted while it loaded: its readers finish, nothing is kept
+                self._release(size)
+            else:
+                self._items[blob_key] = loading.view.toreadonly()  # its reservation becomes its place
         finally:
             del self._loading[blob_key]
             self._loading_bytes -= size
-        future.set_result(data)
-        self._items[blob_key] = data  # its reservation becomes its place
-        cached_bytes.set(self._size)
-        return data
+            cached_bytes.set(self._size)
+            loading.step()
 
     def forget(self, blob_keys: Iterable[str]) -> None:
-        """These versions are gone (model deleted, version evicted): free their memory now."""
+        """These versions are gone (model deleted, version evicted): free their memory now (a
+        version being loaded, once its current readers have it)."""
         for blob_key in blob_keys:
             data = self._items.pop(blob_key, None)
             if data is not None:
                 self._release(len(data))
+            loading = self._loading.get(blob_key)
+            if loading is not None:
+                loading.forgotten = True
 
     def _reserve(self, size: int) -> bool:
         """Make room for `size` bytes, evicting the least recently used versions; False (and
@@ -97,16 +149,22 @@ class HotVersions:
         cached_bytes.set(self._size)
 
 
-async def _read_into(buffer: bytearray, chunks: AsyncIterator[bytes]) -> memoryview:
-    """The chunks, copied into `buffer` as they come (joining a list of them would hold the
-    version twice), as a read-only view."""
-    view = memoryview(buffer)
-    filled = 0
-    async for chunk in chunks:
-        if filled + len(chunk) > len(buffer):
-            raise ValueError(f"the blob holds more than its recorded {len(buffer)} bytes")
-        view[filled : filled + len(chunk)] = chunk
-        filled += len(chunk)
-    if filled != len(buffer):
-        raise ValueError(f"the blob holds {filled} bytes, not its recorded {len(buffer)}")
-    return view.toreadonly()
+async def _slices(data: memoryview, chunk_size: int) -> AsyncIterator[memoryview]:
+    for start in range(0, len(data), chunk_size):
+        yield data[start : start + chunk_size]
+
+
+async def _following(loading: _Load, chunk_size: int) -> AsyncIterator[memoryview]:
+    """The bytes of a load as they arrive (views of its buffer: what has arrived never changes)."""
+    data = loading.view.toreadonly()
+    sent = 0
+    while sent < len(data):
+        progressed = loading.progressed
+        if sent < loading.filled:
+            end = min(loading.filled, sent + chunk_size)
+            yield data[sent:end]
+            sent = end
+        elif loading.error is not None:
+            raise loading.error
+        else:
+            await progressed.wait()

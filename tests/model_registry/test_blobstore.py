@@ -275,6 +275,24 @@ async def test_delete_is_idempotent(harness: Harness) -> None:
     assert harness.stored() == []  # local: emptied directories are pruned too
 
 
+async def test_read_into_fills_a_buffer_of_the_blobs_size(harness: Harness) -> None:
+    store = harness.store
+    data = payload(3 * MiB + 5, seed=3)
+    await put(store, "versions/into/1", data)
+    buffer = bytearray(len(data))
+    progress: list[int] = []
+    await store.read_into("versions/into/1", memoryview(buffer), progress.append, chunk_size=MiB)
+    assert bytes(buffer) == data
+    assert progress == [MiB, 2 * MiB, 3 * MiB, 3 * MiB + 5]  # on the event loop, as parts arrive
+    for wrong_size in (len(data) - 1, len(data) + 1):
+        with pytest.raises(BlobStoreError, match="recorded"):
+            await store.read_into(
+                "versions/into/1", memoryview(bytearray(wrong_size)), progress.append, chunk_size=MiB
+            )
+    with pytest.raises(BlobNotFound):
+        await store.read_into("versions/into/none", memoryview(bytearray(1)), progress.append, chunk_size=MiB)
+
+
 async def test_missing_blob(harness: Harness) -> None:
     with pytest.raises(BlobNotFound):
         await get_chunks(harness.store, "versions/nothing/here", MiB)

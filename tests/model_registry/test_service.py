@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -272,14 +272,22 @@ async def test_deleted_models_blobs_are_collected(
 async def test_hot_versions_are_read_once_and_never_stale(registry: RunningRegistry) -> None:
     blobs = registry.service.blobs
     reads = 0
-    original_read = blobs.read
+    original_read, original_read_into = blobs.read, blobs.read_into
 
     def counting_read(key: str, chunk_size: int) -> AsyncIterator[bytes]:
         nonlocal reads
         reads += 1
         return original_read(key, chunk_size)
 
-    registry.service.blobs.read = counting_read  # type: ignore[method-assign]
+    async def counting_read_into(
+        key: str, buffer: memoryview, arrived: Callable[[int], None], *, chunk_size: int
+    ) -> None:
+        nonlocal reads
+        reads += 1
+        await original_read_into(key, buffer, arrived, chunk_size=chunk_size)
+
+    blobs.read = counting_read  # type: ignore[method-assign]
+    blobs.read_into = counting_read_into  # type: ignore[method-assign]
     await create_model(registry, "hot")
     data = secrets.token_bytes(3 * 1024 * 1024)
     await create_version(registry, "hot", data)

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import hashlib
 import re
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -134,6 +135,34 @@ def _read_exact(source: _Source, size: int) -> bytes:
         pieces.append(more)
         got += len(more)
     return b"".join(pieces)
+
+
+def _fill(
+    open_source: Callable[[str], _Source],
+    key: str,
+    buffer: memoryview,
+    chunk_size: int,
+    loop: asyncio.AbstractEventLoop,
+    arrived: Callable[[int], None],
+    stop: threading.Event,
+) -> None:
+    """(In a thread.) See `BlobStore.read_into`."""
+    source = open_source(key)
+    try:
+        filled = 0
+        while not stop.is_set():
+            chunk = _read_exact(source, min(chunk_size, len(buffer) - filled) or 1)
+            if not chunk:
+                break
+            if filled + len(chunk) > len(buffer):
+                raise ValueError(f"blob {key!r} holds more than its recorded {len(buffer)} bytes")
+            buffer[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+            loop.call_soon_threadsafe(arrived, filled)
+        if filled != len(buffer) and not stop.is_set():
+            raise ValueError(f"blob {key!r} holds {filled} bytes, not its recorded {len(buffer)}")
+    finally:
+        source.close()
 
 
 def _close_after(future: concurrent.futures.Future[Any] | None, source: _Source) -> None:
@@ -334,6 +363,25 @@ class BlobStore(abc.ABC):
         if chunk_size <= 0:
             raise ValueError(f"chunk size must be positive, not {chunk_size}")
         return self._read(key, chunk_size)
+
+    async def read_into(
+        self, key: str, buffer: memoryview, arrived: Callable[[int], None], *, chunk_size: int
+    ) -> None:
+        """Fill `buffer` with the blob, which must be exactly its size, read by one thread in
+        chunks of `chunk_size` (no hop through the event loop per chunk); after each chunk,
+        `arrived(bytes filled so far)` is called on the event loop. Raises BlobNotFound, or
+        ValueError if the blob's size is not the buffer's."""
+        validate_key(key)
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+        with _backend_errors(f"reading blob {key!r} from {self.description}"):
+            filling = self._executor.submit(
+                _fill, self._open_source, key, buffer, chunk_size, loop, arrived, stop
+            )
+            try:
+                await asyncio.wrap_future(filling)
+            finally:
+                stop.set()  # cancelled: the thread stops after its current chunk
 
     async def delete(self, key: str) -> None:
         """Remove the blob; nothing happens if there is none."""
