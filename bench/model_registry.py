@@ -26,6 +26,14 @@ Everything runs on 127.0.0.1, in one run:
    the ratios registry/direct (targets: upload >= 0.7, download >= 0.8), also as the median of the
    per-round ratios (the two sides ran back to back).
 
+4. The RL fan-out (`--fanout`, default 1, 8 and 32 actors; a `--fanout_size_mib` (50 MiB)
+   version): N actors, each on its own channel, follow the model with `VersionUpdate`; a learner
+   publishes a version (untimed) and each actor, told of it, downloads it: "cold" is the time from
+   the publication's reply until every actor has checked the whole version (the registry reads it
+   from S3 once, sending it as it arrives). "Warm" is the same N downloads again, from the
+   registry's memory. "Direct" is N threads reading the same bytes from S3 with minio at once.
+   Ratios are direct time / registry time (targets: one actor cold >= 0.8, eight cold >= 0.7).
+
 The registry's RSS is sampled from /proc/<pid>/status (VmRSS) by a thread every `--rss_interval_ms`
 during each phase: "RSS growth" is the phase's peak minus the value at its start (target < 100 MiB
 at 1 GiB; the direct phases are a control: the registry is idle then). CPU time per MiB moved
@@ -53,6 +61,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -62,6 +71,7 @@ if str(SCRIPT.parents[1]) not in sys.path:  # run as a script: `tests` and `benc
     sys.path.insert(0, str(SCRIPT.parents[1]))
 
 import grpc  # noqa: E402
+import urllib3  # noqa: E402
 from minio import Minio  # noqa: E402
 
 from bench.common import (  # noqa: E402
@@ -90,6 +100,8 @@ from tests.fixtures.seaweedfs import SeaweedS3  # noqa: E402
 TARGET_UPLOAD_RATIO = 0.7
 TARGET_DOWNLOAD_RATIO = 0.8
 TARGET_RSS_GROWTH_MIB = 100.0
+# One actor on a cold version, eight actors following VersionUpdate: registry / direct throughput.
+TARGET_FANOUT_RATIOS = {1: 0.8, 8: 0.7}
 RPC_TIMEOUT_S = 30.0
 WARMUP_VERSION_MIB = 32
 MAX_RECEIVE_MESSAGE_BYTES = 64 * MiB
@@ -302,6 +314,87 @@ async def transfer_rounds(args: argparse.Namespace, s3: SeaweedS3, registry: Chi
         await channel.close()
 
 
+async def fanout_rounds(
+    args: argparse.Namespace, s3: SeaweedS3, registry: Child, sampler: RssSampler
+) -> list[dict[str, Any]]:
+    """The RL fan-out, for each N of `--fanout`: direct, cold and warm (see the module's docstring)."""
+    size = args.fanout_size_mib * MiB
+    read_chunk = args.read_chunk_kib * 1024
+    block = os.urandom(BLOCK_SIZE)
+    sha256 = sha256_b64(block, size)
+    results = []
+    for actors in args.fanout:
+        client = Minio(
+            s3.endpoint, s3.access_key, s3.secret_key, secure=False,
+            http_client=urllib3.PoolManager(maxsize=actors, retries=False),
+        )  # fmt: skip
+        if not await asyncio.to_thread(client.bucket_exists, BUCKET_DIRECT):
+            await asyncio.to_thread(client.make_bucket, BUCKET_DIRECT)
+        name = f"fanout-{actors}"
+        await asyncio.to_thread(direct_upload, client, BUCKET_DIRECT, name, block, size, args.part_mib * MiB)
+        checkers = [Checker() for _ in range(actors)]
+        with ThreadPoolExecutor(actors) as pool:
+            loop = asyncio.get_running_loop()
+            began = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    loop.run_in_executor(
+                        pool, direct_download, client, BUCKET_DIRECT, name, read_chunk, c.update
+                    )
+                    for c in checkers
+                )
+            )
+            direct_s = time.perf_counter() - began
+        for checker in checkers:
+            checker.check("direct fan-out", size, sha256)
+        await asyncio.to_thread(client.remove_object, BUCKET_DIRECT, name)
+
+        options = [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+        channels = [grpc.aio.insecure_channel(registry.address, options=options) for _ in range(actors)]
+        try:
+            stubs = [model_registry_pb2_grpc.ModelRegistrySPStub(channel) for channel in channels]
+            learner = stubs[0]
+            model_id = f"fanout-{actors}"
+            await create_model(learner, model_id)
+            updates = [stub.VersionUpdate(mr.VersionUpdateRequest(model_id=model_id)) for stub in stubs]
+            await asyncio.sleep(0.5)  # every actor follows the model
+
+            async def actor(stub: model_registry_pb2_grpc.ModelRegistrySPStub, update: Any) -> Checker:
+                reply = await update.read()
+                info = reply.version_info
+                return await registry_download(stub, info.model_id, info.version_number)
+
+            start_rss = sampler.reset()
+            await registry_upload(learner, model_id, block, size, sha256, args.chunk_kib * 1024)
+            began = time.perf_counter()
+            for checker in await asyncio.gather(*(actor(s, u) for s, u in zip(stubs, updates, strict=True))):
+                checker.check("registry fan-out (cold)", size, sha256)
+            cold_s = time.perf_counter() - began
+            began = time.perf_counter()
+            for checker in await asyncio.gather(*(registry_download(stub, model_id, 1) for stub in stubs)):
+                checker.check("registry fan-out (warm)", size, sha256)
+            warm_s = time.perf_counter() - began
+            growth = (sampler.peak_now() - start_rss) / MiB
+            for update in updates:
+                update.cancel()
+            await delete_model(learner, model_id)
+        finally:
+            for channel in channels:
+                await channel.close()
+        result = {
+            "actors": actors,
+            "direct_s": round(direct_s, 3),
+            "cold_s": round(cold_s, 3),
+            "warm_s": round(warm_s, 3),
+            "cold_ratio": round(direct_s / cold_s, 3),
+            "warm_ratio": round(direct_s / warm_s, 3),
+            "registry_rss_growth_mib": round(growth, 1),
+        }
+        print(f"  fan-out {result}", file=sys.stderr)
+        results.append(result)
+    return results
+
+
 def summarize(args: argparse.Namespace, procs: Processes, report: dict[str, Any]) -> None:
     phases = procs.results
     report["phases"] = {}
@@ -357,6 +450,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "chunk_kib": args.chunk_kib,
         "read_chunk_kib": args.read_chunk_kib,
         "part_mib": args.part_mib,
+        "fanout_size_mib": args.fanout_size_mib,
         "cpus": (
             f"registry on CPU {sorted(registry_cpus)}, this process on {sorted(client_cpus)}, "
             "SeaweedFS unpinned"
@@ -377,6 +471,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         report["registry_rss_start_mib"] = round(sampler.baseline / MiB, 1)
         try:
             asyncio.run(transfer_rounds(args, s3, registry, procs))
+            if args.fanout:
+                print("fan-out...", file=sys.stderr)
+                report["fanout"] = asyncio.run(fanout_rounds(args, s3, registry, sampler))
             hwm = vm_hwm(registry.process.pid)
             report["registry_vm_hwm_mib"] = round(hwm / MiB, 1) if hwm is not None else None
             report["registry_rss_end_mib"] = round((vm_rss(registry.process.pid) or 0) / MiB, 1)
@@ -434,6 +531,20 @@ def print_summary(report: dict[str, Any], out: Any = sys.stdout) -> None:
         f"{TARGET_RSS_GROWTH_MIB:g} (at 1 GiB): {targets['registry RSS growth']}",
         file=out,
     )
+    for fanout in report.get("fanout", []):
+        actors = fanout["actors"]
+        target = TARGET_FANOUT_RATIOS.get(actors)
+        verdict = (
+            f"target >= {target}: {'met' if fanout['cold_ratio'] >= target else 'missed'}" if target else ""
+        )
+        print(
+            f"fan-out, {actors:>2} actor(s) x {report['fanout_size_mib']} MiB: "
+            f"direct {fanout['direct_s']:.2f} s, "
+            f"registry cold {fanout['cold_s']:.2f} s (ratio {fanout['cold_ratio']:.2f}), warm "
+            f"{fanout['warm_s']:.2f} s (ratio {fanout['warm_ratio']:.2f}); registry RSS growth "
+            f"{fanout['registry_rss_growth_mib']:.0f} MiB   {verdict}",
+            file=out,
+        )
     print(
         f"registry RSS: {report['registry_rss_start_mib']} MiB before any transfer, "
         f"{report.get('registry_rss_end_mib')} MiB at the end, kernel high-water mark "
@@ -470,6 +581,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_PART_SIZE // MiB,
         help="part size of the direct multipart upload (default: the registry's, %(default)s)",
     )
+    parser.add_argument(
+        "--fanout",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[1, 8, 32],
+        help="actors of each fan-out run, comma-separated; empty: none (default 1,8,32)",
+    )
+    parser.add_argument("--fanout_size_mib", type=int, default=50, help="fan-out version size (default 50)")
     parser.add_argument("--s3_bucket", default="bench-model-registry", help="the registry's bucket")
     parser.add_argument("--rss_interval_ms", type=float, default=2.0, help="RSS sampling period (default 2)")
     parser.add_argument(
@@ -478,8 +596,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server_log_level", help="--log_level of the registry (default: its own, info)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (log, database)")
     args = parser.parse_args(argv)
-    if min(args.size_mib, args.rounds, args.chunk_kib, args.read_chunk_kib, args.part_mib) <= 0:
+    if (
+        min(
+            args.size_mib,
+            args.rounds,
+            args.chunk_kib,
+            args.read_chunk_kib,
+            args.part_mib,
+            args.fanout_size_mib,
+        )
+        <= 0
+    ):
         parser.error("sizes and counts must be positive")
+    if any(actors <= 0 for actors in args.fanout):
+        parser.error("--fanout: numbers of actors are positive")
     if args.part_mib < 5:
         parser.error("S3 parts are at least 5 MiB")
     if args.chunk_kib * 1024 > 4 * MiB - 1024 or args.read_chunk_kib * 1024 > 4 * MiB - 1024:
