@@ -52,5 +52,11 @@ def capped_counts(table: Table, cap: int, postgresql: bool) -> Select[Any]:
     """(digest, how many rows have it, counting at most `cap`) for each digest of `parameters`:
     a count that stops at `cap` costs at most `cap` index entries, however common the pair."""
     digests = digests_list(postgresql)
-    capped = select(literal(1)).where(table.c.pair_digest == digests.c.value).limit(cap).subquery()
+    capped = (
+        select(literal(1))
+        .where(table.c.pair_digest == digests.c.value)
+        .limit(cap)
+        .correlate(digests)
+        .subquery()
+    )
     return select(digests.c.value, select(func.count()).select_from(capped).scalar_subquery())

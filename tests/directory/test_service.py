@@ -10,6 +10,8 @@ import grpc
 import pytest
 from sqlalchemy import select
 
+from services.directory.model import Endpoint, Registration
+from services.directory.store import PROPERTY_COUNT_CAP, DirectoryStore
 from shared import schema
 from shared.api import common_pb2, directory_pb2
 from shared.db import Database
@@ -434,3 +436,18 @@ async def test_an_unexpected_error_is_internal_and_the_server_keeps_serving(
     assert "detail for the logs" not in (error.value.details() or "")
     monkeypatch.undo()
     assert await inquire(directory, service_id=1) == []
+
+
+async def test_inquiries_drive_from_their_rarest_property(database_url: str) -> None:
+    database = Database(database_url)
+    await database.migrate()
+    store = DirectoryStore(database)
+    try:
+        endpoint = Endpoint(GRPC, "127.0.0.1", 1)
+        for index in range(PROPERTY_COUNT_CAP + 20):
+            await store.add(Registration(endpoint, ACTOR, {"common": "x", "n": str(index)}, True), "", index)
+        await store.add(Registration(endpoint, ACTOR, {"common": "x", "rare": "y"}, True), "", 0)
+        # The capped counts tell them apart (the plan, not the result, depends on it).
+        assert await store._rarest({"common": "x", "rare": "y"}) == ("rare", "y")
+    finally:
+        await database.close()
