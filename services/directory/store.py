@@ -117,11 +117,12 @@ def _by_id_statement() -> Select[Any]:
 
 
 @functools.cache
-def _matching_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
+def _matching_statement(typed: bool, properties: int, postgresql: bool) -> Select[Any]:
     """The entries an inquiry by details matches, of one shape (built once: only the parameters
-    change, whatever the number of properties inquired); unordered."""
+    change, whatever the number of properties inquired); unordered. `properties`: how many are
+    inquired, 0, 1, or 2 for two or more."""
     conditions: list[ColumnElement[bool]] = [services.c.failed_checks == 0]
-    if not with_properties:
+    if properties == 0:
         conditions.append(services.c.token_digest == bindparam("token"))
         if typed:
             conditions.append(services.c.service_type == bindparam("service_type"))
@@ -141,7 +142,10 @@ def _matching_statement(typed: bool, with_properties: bool, postgresql: bool) ->
     conditions.append(func.coalesce(services.c.token_digest, "") == bindparam("token"))
     if typed:
         conditions.append(func.coalesce(services.c.service_type, 0) == bindparam("service_type"))
-    conditions.append(property_match.includes_every_pair(properties_table, services.c.service_id, postgresql))
+    if properties > 1:
+        conditions.append(
+            property_match.includes_every_pair(properties_table, services.c.service_id, postgresql)
+        )
     return (
         select(*_ENTRY_COLUMNS)
         .select_from(candidates.join(services, candidates.c.service_id == services.c.service_id))
@@ -150,12 +154,12 @@ def _matching_statement(typed: bool, with_properties: bool, postgresql: bool) ->
 
 
 @functools.cache
-def _page_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
+def _page_statement(typed: bool, properties: int, postgresql: bool) -> Select[Any]:
     """A page of the matches, most recent first, from the position after (`before_at`,
     `before_id`), at most `rows`."""
     position = tuple_(services.c.registered_at, services.c.service_id)
     return (
-        _matching_statement(typed, with_properties, postgresql)
+        _matching_statement(typed, properties, postgresql)
         .where(position < tuple_(bindparam("before_at"), bindparam("before_id")))
         .order_by(*_MOST_RECENT_FIRST)
         .limit(bindparam("rows", type_=Integer))
@@ -163,9 +167,9 @@ def _page_statement(typed: bool, with_properties: bool, postgresql: bool) -> Sel
 
 
 @functools.cache
-def _lowest_load_statement(typed: bool, with_properties: bool, postgresql: bool) -> Select[Any]:
+def _lowest_load_statement(typed: bool, properties: int, postgresql: bool) -> Select[Any]:
     """The lowest load of the serviceable matches (None: there is none)."""
-    matches = _matching_statement(typed, with_properties, postgresql).subquery()
+    matches = _matching_statement(typed, properties, postgresql).subquery()
     return select(func.min(matches.c.load)).where(matches.c.load < UNSERVICEABLE)
 
 
@@ -393,13 +397,15 @@ class DirectoryStore:
 
     async def _details(
         self, inquiry: Inquiry, token_digest: str
-    ) -> tuple[tuple[bool, bool, bool], dict[str, Any]]:
+    ) -> tuple[tuple[bool, int, bool], dict[str, Any]]:
         """The statement shape and parameters of an inquiry by details."""
         parameters: dict[str, Any] = {"token": token_digest, "service_type": inquiry.service_type}
         if inquiry.properties:
             parameters.update(property_match.parameters(inquiry.properties))
             parameters["driving"] = pair_digest(*await self._rarest(inquiry.properties))
-        shape = (inquiry.service_type != UNKNOWN_SERVICE, bool(inquiry.properties), self.db.is_postgresql)
+        # 0, 1 or 2 properties and more: one needs no check beyond the driving property.
+        inquired = min(len(inquiry.properties), 2)
+        shape = (inquiry.service_type != UNKNOWN_SERVICE, inquired, self.db.is_postgresql)
         return shape, parameters
 
     async def _rarest(self, properties: dict[str, str]) -> tuple[str, str]:
