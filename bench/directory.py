@@ -71,6 +71,7 @@ from bench.common import (  # noqa: E402
     READY_TIMEOUT_S,
     START_TIMEOUT_S,
     Child,
+    MiB,
     Plan,
     emit,
     fmt,
@@ -81,6 +82,8 @@ from bench.common import (  # noqa: E402
     serve_bare,
     start_server,
     stdin_lines,
+    vm_hwm,
+    vm_rss,
 )
 from shared.api import common_pb2, directory_pb2  # noqa: E402
 
@@ -714,6 +717,11 @@ def print_summary(report: dict[str, Any]) -> None:
         f"server CPU per call: directory {fmt(d['server_cpu_us_per_call'], ' us')}, bare {bare_cpu}",
         file=out,
     )
+    print(
+        f"directory RSS: {report['directory_rss_start_mib']} MiB once serving, peak (kernel high-water "
+        f"mark) {report['directory_peak_rss_mib']} MiB",
+        file=out,
+    )
     targets = report["targets"]
     for name, value, target, better in (
         ("registrations/s", reg["per_s"], TARGET_REGISTRATIONS_PER_S, "min"),
@@ -826,6 +834,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
     directory = start_server(plan, "directory", command)
     address = directory.address
+    report["directory_rss_start_mib"] = round((vm_rss(directory.process.pid) or 0) / MiB, 1)
     entries_before = int(status_value(address, "nb_entries") or 0)
     print(
         f"directory serving on {address} ({database}); registering {args.services:,} services...",
@@ -842,6 +851,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     report["inquire_directory"] = inquiry_phase(plan, directory, "inquire-directory", check_results=True)
     if args.deregister:
         report["deregister"] = write_phase(plan, directory, "deregister", outcomes)
+    report["directory_peak_rss_mib"] = round((vm_hwm(directory.process.pid) or 0) / MiB, 1)
     report["server_problems"] = len(directory.problems)
     report["server_problem_sample"] = [p.get("event") for p in directory.problems[:5]]
     report["directory_exit_status"] = directory.stop()
