@@ -36,7 +36,8 @@ def _bounded(
 
     def parse_bounded(text: str) -> T:
         value = parse(text)
-        if value < low or (high is not None and value > high):  # type: ignore[operator]
+        # Written so that NaN, which compares false with everything, is refused too.
+        if not low <= value or (high is not None and not value <= high):  # type: ignore[operator]
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
@@ -49,6 +50,7 @@ positive_int = _bounded("positive_int", int, 1, None, "a positive integer")
 port_number = _bounded("port_number", int, 0, 65535, "a port number 0..65535")
 # Positive: the smallest float above zero.
 positive_float = _bounded("positive_float", float, math.ulp(0.0), None, "a positive number")
+non_negative_float = _bounded("non_negative_float", float, 0.0, None, "a non-negative number")
 
 
 @dataclass(frozen=True)
