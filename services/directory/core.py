@@ -23,6 +23,8 @@ from shared.logging import get_logger
 
 # A result checked this recently is reused by `check_on_inquire` (as in the reference).
 RECENT_CHECK_NS = 100_000_000
+# How long Register waits for a new entry's first health check.
+DEFAULT_FIRST_CHECK_WAIT_S = 1.0
 # Load balancing keeps entries within this much of the least loaded one.
 ACCEPTABLE_LOAD_RANGE = 10
 
@@ -52,6 +54,7 @@ class Directory:
         load_balancing: bool = False,
         check_on_inquire: bool = False,
         registration_lag_s: int = 0,
+        first_check_wait_s: float = DEFAULT_FIRST_CHECK_WAIT_S,
     ) -> None:
         self._store = store
         self._checker = checker
@@ -60,9 +63,11 @@ class Directory:
         self.load_balancing = load_balancing
         self.check_on_inquire = check_on_inquire
         self.registration_lag_s = registration_lag_s
+        self.first_check_wait_s = first_check_wait_s
 
     async def register(self, registration: Registration, token: str) -> tuple[int, str]:
-        """Store the registration; returns (service id, secret). Never waits for a health check."""
+        """Store the registration; returns (service id, secret). The first health check of a
+        checked kind is waited for at most `first_check_wait_s`."""
         if self.force_permanent and not registration.permanent:
             registration = Registration(
                 registration.endpoint, registration.service_type, registration.properties, permanent=True
@@ -79,7 +84,10 @@ class Directory:
             updated_in_place=not created,
         )
         if registration.health_checked:
-            self._checker.wake()
+            # Hidden until a check passes: a live service is inquirable once Register returns,
+            # and an endpoint that does not answer is never handed out.
+            target = CheckTarget(service_id, registration.endpoint, registration.service_type, 0, 0)
+            await self._checker.first_check(target, self.first_check_wait_s)
         return service_id, derive_secret(self._secret_key, service_id, nonce)
 
     async def deregister(self, service_id: int, secret: str, token: str) -> None:

@@ -17,6 +17,7 @@ import grpc
 from prometheus_client import Counter
 
 from services.directory.model import (
+    CHECK_LEASE_NS,
     GRPC_SERVICE_BY_TYPE,
     GRPC_SSL,
     OTHER_SERVICE,
@@ -35,8 +36,6 @@ TCP_CHECK_TIMEOUT_S = 5.0
 MAX_FAILED_CHECKS = 3
 CLAIM_BATCH = 100
 CONCURRENT_CHECKS = 64
-# A check lasts at most ~35 s (TCP: 5 + 10 + 20 s); claims outlive that with a margin.
-CLAIM_LEASE_S = 120.0
 TCP_PROBE = b"OPTIONS * HTTP/1.1\r\n\r\n"
 
 log = get_logger("directory.health")
@@ -135,21 +134,37 @@ class HealthChecker:
         self._rounds = rounds
         self._limit = asyncio.Semaphore(CONCURRENT_CHECKS)
         self._rounds_task = Periodic("directory-health-checker", self.check_due, min(poll_s, interval_s))
+        self._first_checks: set[asyncio.Task[dict[int, CheckResult]]] = set()
 
     def start(self) -> None:
         self._rounds_task.start()
 
-    def wake(self) -> None:
-        """Check due entries now (a registration just arrived) rather than at the next poll."""
-        self._rounds_task.wake()
+    async def first_check(self, target: CheckTarget, wait_s: float) -> None:
+        """Check a new entry (claimed by this replica when it was stored), waiting at most
+        `wait_s` for the outcome; the check goes on beyond that, in the background. Should this
+        process die first, the claim expires and any replica's periodic checker takes it over."""
+        task = asyncio.get_running_loop().create_task(
+            self.check_now([target], self._rounds), name=f"first-check-{target.service_id}"
+        )
+        self._first_checks.add(task)
+        task.add_done_callback(self._first_check_done)
+        await asyncio.wait([task], timeout=wait_s)
+
+    def _first_check_done(self, task: asyncio.Task[dict[int, CheckResult]]) -> None:
+        self._first_checks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Not lost: the entry's claim expires and the periodic checker checks it.
+            log.warning("could not record a first health check", error=str(task.exception()))
 
     async def stop(self) -> None:
         await self._rounds_task.stop()
+        for task in list(self._first_checks):
+            task.cancel()
 
     async def check_due(self) -> int:
         """Check one batch of due entries; returns how many were checked."""
         now = time.time_ns()
-        targets = await self._store.claim_due_checks(now, int(CLAIM_LEASE_S * 1e9), CLAIM_BATCH)
+        targets = await self._store.claim_due_checks(now, CHECK_LEASE_NS, CLAIM_BATCH)
         if targets:
             await self.check_now(targets, self._rounds)
         return len(targets)

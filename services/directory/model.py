@@ -32,6 +32,9 @@ GRPC_SERVICE_BY_TYPE: dict[int, str] = {
 
 # Largest service id: ids are random non-zero 63-bit integers (they fit a signed BIGINT).
 MAX_SERVICE_ID = 2**63 - 1
+# How long a replica holds an entry it is checking (its first check, or a periodic one) before
+# another may take it over: a check lasts at most ~35 s (TCP: 5 + 10 + 20 s), plus a margin.
+CHECK_LEASE_NS = 120 * 1_000_000_000
 
 
 @dataclass(frozen=True)

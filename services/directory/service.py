@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Gauge
 
-from services.directory.core import Directory
+from services.directory.core import DEFAULT_FIRST_CHECK_WAIT_S, Directory
 from services.directory.health import HealthChecker
 from services.directory.servicer import DirectoryServicer
 from services.directory.store import DirectoryStore
 from shared.api import directory_pb2, directory_pb2_grpc
-from shared.config import Option, non_negative_int, parse_bool, positive_float
+from shared.config import Option, non_negative_float, non_negative_int, parse_bool, positive_float
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime
 from shared.server import Service
@@ -34,6 +34,14 @@ OPTIONS: list[Option] = [
         0,
         f"{ENV_PREFIX}_REGISTRATION_LAG",
         non_negative_int,
+    ),
+    Option(
+        "registration_check_wait",
+        "seconds Register waits for a new entry's first health check (entries of checked kinds are "
+        "answered only once a check passed; the check goes on after this)",
+        DEFAULT_FIRST_CHECK_WAIT_S,
+        f"{ENV_PREFIX}_REGISTRATION_CHECK_WAIT",
+        non_negative_float,
     ),
     Option(
         "load_balancing",
@@ -78,6 +86,7 @@ class DirectorySettings(ServerSettings):
     """The values of OPTIONS."""
 
     registration_lag: int
+    registration_check_wait: float
     load_balancing: bool
     check_on_inquire: bool
     force_permanent: bool
@@ -120,6 +129,7 @@ class DirectoryService(Service[DirectorySettings]):
             load_balancing=settings.load_balancing,
             check_on_inquire=settings.check_on_inquire,
             registration_lag_s=settings.registration_lag,
+            first_check_wait_s=settings.registration_check_wait,
         )
         self.directory = directory
 

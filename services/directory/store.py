@@ -21,6 +21,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    or_,
     select,
     text,
     tuple_,
@@ -29,6 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from services.directory.model import (
+    CHECK_LEASE_NS,
     MAX_SERVICE_ID,
     UNKNOWN_SERVICE,
     CheckResult,
@@ -79,6 +81,14 @@ def canonical_properties(properties: dict[str, str]) -> str:
     return json.dumps(properties, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+# An entry of a health-checked kind is answered only once a check has passed (unchecked kinds:
+# `next_check_at` is NULL). A failed check hides it too (`failed_checks`).
+_VISIBLE = (
+    services.c.failed_checks == 0,
+    or_(services.c.next_check_at.is_(None), services.c.last_check_at > 0),
+)
+
+
 def _service_row(registration: Registration, token_digest: str, now_ns: int) -> dict[str, Any]:
     properties_json = canonical_properties(registration.properties)
     return {
@@ -97,7 +107,8 @@ def _service_row(registration: Registration, token_digest: str, now_ns: int) -> 
         "load": 0,
         "last_check_at": 0,
         "next_check_at": now_ns if registration.health_checked else None,
-        "claimed_until": 0,
+        # The replica that takes a registration checks it first: claimed by it from the start.
+        "claimed_until": now_ns + CHECK_LEASE_NS if registration.health_checked else 0,
     }
 
 
@@ -112,7 +123,7 @@ def _by_id_statement() -> Select[Any]:
     return select(*_ENTRY_COLUMNS).where(
         services.c.service_id == bindparam("service_id"),
         services.c.token_digest == bindparam("token"),
-        services.c.failed_checks == 0,
+        *_VISIBLE,
     )
 
 
@@ -121,7 +132,7 @@ def _matching_statement(typed: bool, properties: int, postgresql: bool) -> Selec
     """The entries an inquiry by details matches, of one shape (built once: only the parameters
     change, whatever the number of properties inquired); unordered. `properties`: how many are
     inquired, 0, 1, or 2 for two or more."""
-    conditions: list[ColumnElement[bool]] = [services.c.failed_checks == 0]
+    conditions: list[ColumnElement[bool]] = [*_VISIBLE]
     if properties == 0:
         conditions.append(services.c.token_digest == bindparam("token"))
         if typed:

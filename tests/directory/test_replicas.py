@@ -7,7 +7,7 @@ import time
 
 from sqlalchemy import text
 
-from services.directory.model import Endpoint, Registration
+from services.directory.model import CHECK_LEASE_NS, Endpoint, Registration
 from services.directory.store import DirectoryStore
 from shared.db import Database
 from tests.helpers.directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
@@ -64,7 +64,11 @@ async def test_claims_of_a_crashed_checker_are_taken_over(database_url: str) -> 
         await database.migrate()
         store = DirectoryStore(database)
         registration = Registration(Endpoint(GRPC, "127.0.0.1", 1), ACTOR, {}, permanent=False)
-        service_id, _, _ = await store.add(registration, "digest", time.time_ns())
+        # A new entry is its registering replica's to check first: nobody else claims it...
+        await store.add(registration, "digest", time.time_ns())
+        assert await store.claim_due_checks(time.time_ns(), 300_000_000, 10) == []
+        # ...unless that claim expired (the replica died before checking).
+        service_id, _, _ = await store.add(registration, "digest", time.time_ns() - CHECK_LEASE_NS - 1)
         lease = 300_000_000
         (claimed,) = await store.claim_due_checks(time.time_ns(), lease, 10)
         assert claimed.service_id == service_id

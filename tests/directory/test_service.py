@@ -271,13 +271,27 @@ async def test_unreachable_service_is_hidden_then_removed(directory: RunningDire
     await eventually(removed)
 
 
-async def test_registration_never_waits_for_a_health_check(directory: RunningDirectory) -> None:
-    silent = await FakeTcpService(silent=True).start()
+async def test_entries_are_answered_only_once_a_check_passed(directory_factory: DirectoryFactory) -> None:
+    live = await FakeCogmentService("ServiceActorSP").start()
+    silent = await FakeTcpService(silent=True).start()  # accepts, never answers gRPC
     try:
-        started = time.monotonic()
-        await register_ok(directory, request(ACTOR, protocol=GRPC, host="127.0.0.1", port=silent.port))
-        assert time.monotonic() - started < 1.0
+        async with directory_factory("--registration_check_wait", "0.5") as directory:
+
+            async def register_and_inquire(port: int) -> list[int]:
+                registration = request(ACTOR, {"port": str(port)}, protocol=GRPC, host="127.0.0.1", port=port)
+                # Register waits for the first check at most its bound: well within this deadline
+                # even for an endpoint whose check takes 14 s (DEADLINE_EXCEEDED otherwise).
+                call = directory.stub.Register(iter([registration]), timeout=5)
+                (reply,) = [reply async for reply in call]
+                assert reply.status == OK
+                return await visible_ids(directory, properties={"port": str(port)})
+
+            (live_id,) = await register_and_inquire(live.port)  # inquirable as soon as Register returns
+            assert await register_and_inquire(free_port()) == []  # refused: never handed out
+            assert await register_and_inquire(silent.port) == []  # silent: not until a check passes
+            assert await visible_ids(directory, service_id=live_id) == [live_id]
     finally:
+        await live.stop()
         await silent.stop()
 
 
