@@ -8,9 +8,11 @@ Flags shared by every command (before or after the command name):
 `30s`, `1m30s`, `500ms`; default 30 s) and `--console_output` (`COGMENT_CLIENT_CONSOLE_OUTPUT`,
 `text` or `json`).
 
-Every call waits for the directory to be reachable (gRPC wait-for-ready) until the timeout.
-Exit codes: 0 success; 1 failure (directory unreachable within the timeout, registration or
-deregistration refused, other gRPC errors); 2 invalid flags or environment variables.
+`wait_for_ready` waits for the directory to be reachable until the timeout; the other commands
+fail at once when it cannot be reached (as the registry's and datastore's clients do).
+Exit codes: 0 success; 1 failure (directory unreachable, or not answering within the timeout,
+registration or deregistration refused, other gRPC errors); 2 invalid flags or environment
+variables.
 """
 
 from __future__ import annotations
@@ -122,10 +124,9 @@ INQUIRE_OPTIONS: list[Option] = [
 
 
 class DirectoryClient(ServiceClient):
-    """One directory connection; every call waits for the directory until `timeout_s`."""
+    """One directory connection; calls end within `timeout_s`."""
 
     service = "directory"
-    waits_for_ready = True
 
     def __init__(self, endpoint: GrpcEndpoint, token: str, timeout_s: float) -> None:
         # Retry connecting often: waiting for a directory that is starting should end soon
@@ -146,7 +147,7 @@ class DirectoryClient(ServiceClient):
         replies: list[directory_pb2.RegisterReply] = [
             reply
             async for reply in self._stub.Register(
-                iter([request]), metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=True
+                iter([request]), metadata=self._metadata, timeout=self.timeout_s
             )
         ]
         if not replies:
@@ -157,24 +158,27 @@ class DirectoryClient(ServiceClient):
         replies: list[directory_pb2.DeregisterReply] = [
             reply
             async for reply in self._stub.Deregister(
-                iter([request]), metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=True
+                iter([request]), metadata=self._metadata, timeout=self.timeout_s
             )
         ]
         if not replies:
             raise ClientError("Service deregistration failed [the directory sent no reply]")
         return replies[0]
 
-    async def inquire(self, request: directory_pb2.InquireRequest) -> list[directory_pb2.FullServiceData]:
+    async def inquire(
+        self, request: directory_pb2.InquireRequest, *, wait_for_ready: bool = False
+    ) -> list[directory_pb2.FullServiceData]:
         return [
             reply.data
             async for reply in self._stub.Inquire(
-                request, metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=True
+                request, metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=wait_for_ready
             )
         ]
 
     async def wait_for_ready(self) -> None:
-        """Inquire for service id 0 (which never exists) once the directory answers."""
-        await self.inquire(directory_pb2.InquireRequest(service_id=0))
+        """Inquire for service id 0 (which never exists, answered at once) as soon as the
+        directory can be reached, until the timeout."""
+        await self.inquire(directory_pb2.InquireRequest(service_id=0), wait_for_ready=True)
 
 
 # ---- output ----
@@ -283,6 +287,11 @@ async def run_inquire(context: DirectoryContext) -> None:
 
 async def run_wait_for_ready(context: DirectoryContext) -> None:
     await context.client.wait_for_ready()
+    endpoint = str(context.client.endpoint)
+    if context.json:
+        print(json.dumps({"ready": True, "endpoint": endpoint}), file=context.out)
+    else:
+        print(f"The directory at {endpoint} is ready", file=context.out)
 
 
 PROGRAM = ClientProgram(

@@ -113,6 +113,8 @@ class Directory:
         balanced (each page shuffled). With a registration lag, an inquiry that finds nothing
         looks again every second for that many seconds."""
         token_digest = sha256_hex(token)
+        if not inquiry.can_match:
+            return  # nothing to wait for: the registration lag does not apply
         for attempt in range(self.registration_lag_s + 1):
             if attempt:
                 await asyncio.sleep(1.0)

@@ -82,6 +82,11 @@ class Inquiry:
     service_type: int = UNKNOWN_SERVICE
     properties: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def can_match(self) -> bool:
+        """False for an id no entry can have (0, as `wait_for_ready` sends): answered at once."""
+        return self.service_id is None or 0 < self.service_id <= MAX_SERVICE_ID
+
 
 @dataclass(frozen=True)
 class CheckTarget:
