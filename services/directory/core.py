@@ -152,7 +152,7 @@ class Directory:
         targets = [
             CheckTarget(e.service_id, e.endpoint, e.service_type, e.failed_checks, e.load) for e in stale
         ]
-        results = await self._checker.check_now(targets, rounds=1)
+        results = await self._checker.check_now(targets)
         kept = []
         for entry in entries:
             result = results.get(entry.service_id)

@@ -1,16 +1,23 @@
 """Health checking of registered services, as the reference does it, without blocking anyone.
 
 Cogment gRPC services are asked `Status(["overall_load"])`, falling back to `Version` for services
-that predate `Status`; OTHER_SERVICE and GRPC_SSL endpoints get a TCP connect check. Each check is
-up to `rounds` attempts with doubling deadlines. Permanent entries and COGMENT endpoints are never
-checked. The periodic checker runs in every replica and claims due entries from the database, so
-the work is shared out rather than repeated.
+that predate `Status`; OTHER_SERVICE and GRPC_SSL endpoints get a TCP connect check. A check is one
+attempt with a deadline: a failed check hides the entry at once, and it is removed after
+MAX_FAILED_CHECKS failures in a row (one per interval). Permanent entries and COGMENT endpoints are
+never checked. The periodic checker runs in every replica and claims due entries from the
+database, so the work is shared out rather than repeated.
+
+Each entry is checked and recorded on its own (no batch waits for its slowest member), within a
+number of concurrent checks per replica; entries that failed their last check have slots of their
+own, so endpoints that accept connections and never answer cannot hold up the checks of healthy
+ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 
 import grpc
@@ -34,8 +41,9 @@ from shared.supervision import Periodic
 GRPC_CHECK_TIMEOUT_S = 2.0
 TCP_CHECK_TIMEOUT_S = 5.0
 MAX_FAILED_CHECKS = 3
-CLAIM_BATCH = 100
-CONCURRENT_CHECKS = 64
+# Concurrent checks per replica: of entries healthy at their last check, and of those that failed it.
+HEALTHY_SLOTS = 64
+FAILING_SLOTS = 16
 TCP_PROBE = b"OPTIONS * HTTP/1.1\r\n\r\n"
 
 log = get_logger("directory.health")
@@ -106,35 +114,31 @@ async def _tcp_probe(target: CheckTarget, timeout_s: float) -> bool:
             await asyncio.wait_for(writer.wait_closed(), 1.0)
 
 
-async def check(target: CheckTarget, rounds: int) -> CheckResult:
-    """Up to `rounds` attempts, each with twice the previous deadline."""
-    tcp = target.service_type == OTHER_SERVICE or target.endpoint.protocol == GRPC_SSL
-    for attempt in range(rounds):
-        if tcp:
-            if await _tcp_probe(target, TCP_CHECK_TIMEOUT_S * 2**attempt):
-                return CheckResult(True, None)
-        else:
-            try:
-                load = await _grpc_probe(target, GRPC_CHECK_TIMEOUT_S * 2**attempt)
-            except (ValueError, UnicodeError):  # an address grpc cannot even parse
-                load = None
-            if load is not None:
-                return CheckResult(True, load)
-    return CheckResult(False, UNSERVICEABLE)
+async def check(target: CheckTarget) -> CheckResult:
+    """One attempt, within its deadline (the gRPC check's Version fallback included)."""
+    if target.service_type == OTHER_SERVICE or target.endpoint.protocol == GRPC_SSL:
+        return CheckResult(True, None) if await _tcp_probe(target, TCP_CHECK_TIMEOUT_S) else _FAILED
+    try:
+        load = await _grpc_probe(target, GRPC_CHECK_TIMEOUT_S)
+    except (ValueError, UnicodeError):  # an address grpc cannot even parse
+        load = None
+    return _FAILED if load is None else CheckResult(True, load)
+
+
+_FAILED = CheckResult(False, UNSERVICEABLE)
+_Check = asyncio.Task[dict[int, CheckResult]]
 
 
 class HealthChecker:
-    """Claims due entries from the database, checks them, records the outcomes."""
+    """Claims due entries from the database, checks each, records each outcome."""
 
-    def __init__(
-        self, store: DirectoryStore, interval_s: float, rounds: int = 3, poll_s: float = 1.0
-    ) -> None:
+    def __init__(self, store: DirectoryStore, interval_s: float, poll_s: float = 1.0) -> None:
         self._store = store
         self._interval_ns = int(interval_s * 1e9)
-        self._rounds = rounds
-        self._limit = asyncio.Semaphore(CONCURRENT_CHECKS)
+        # Checks under way, by whether their entry failed its last check.
+        self._running: dict[bool, set[_Check]] = {False: set(), True: set()}
         self._rounds_task = Periodic("directory-health-checker", self.check_due, min(poll_s, interval_s))
-        self._first_checks: set[asyncio.Task[dict[int, CheckResult]]] = set()
+        self._first_checks: set[_Check] = set()
 
     def start(self) -> None:
         self._rounds_task.start()
@@ -144,13 +148,13 @@ class HealthChecker:
         `wait_s` for the outcome; the check goes on beyond that, in the background. Should this
         process die first, the claim expires and any replica's periodic checker takes it over."""
         task = asyncio.get_running_loop().create_task(
-            self.check_now([target], self._rounds), name=f"first-check-{target.service_id}"
+            self.check_now([target]), name=f"first-check-{target.service_id}"
         )
         self._first_checks.add(task)
         task.add_done_callback(self._first_check_done)
         await asyncio.wait([task], timeout=wait_s)
 
-    def _first_check_done(self, task: asyncio.Task[dict[int, CheckResult]]) -> None:
+    def _first_check_done(self, task: _Check) -> None:
         self._first_checks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             # Not lost: the entry's claim expires and the periodic checker checks it.
@@ -158,23 +162,40 @@ class HealthChecker:
 
     async def stop(self) -> None:
         await self._rounds_task.stop()
-        for task in list(self._first_checks):
+        for task in [*self._first_checks, *self._running[False], *self._running[True]]:
             task.cancel()
 
-    async def check_due(self) -> int:
-        """Check one batch of due entries; returns how many were checked."""
+    async def check_due(self) -> bool:
+        """Start checking the due entries there are free slots for; True when a pool filled its
+        free slots (more may be due: look again once one is free, `_check_done` wakes us)."""
         now = time.time_ns()
-        targets = await self._store.claim_due_checks(now, CHECK_LEASE_NS, CLAIM_BATCH)
-        if targets:
-            await self.check_now(targets, self._rounds)
-        return len(targets)
+        more = False
+        for failing, slots in ((False, HEALTHY_SLOTS), (True, FAILING_SLOTS)):
+            running = self._running[failing]
+            free = slots - len(running)
+            if free <= 0:
+                continue
+            targets = await self._store.claim_due_checks(now, CHECK_LEASE_NS, free, failing=failing)
+            more = more or len(targets) == free
+            for target in targets:
+                task = asyncio.get_running_loop().create_task(
+                    self.check_now([target]), name=f"health-check-{target.service_id}"
+                )
+                running.add(task)
+                task.add_done_callback(functools.partial(self._check_done, running))
+        return more
 
-    async def check_now(self, targets: list[CheckTarget], rounds: int) -> dict[int, CheckResult]:
-        async def bounded(target: CheckTarget) -> CheckResult:
-            async with self._limit:
-                return await check(target, rounds)
+    def _check_done(
+        self, running: set[asyncio.Task[dict[int, CheckResult]]], task: asyncio.Task[dict[int, CheckResult]]
+    ) -> None:
+        running.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Not lost: the entry's claim expires and it is checked again.
+            log.warning("could not record a health check", error=str(task.exception()))
+        self._rounds_task.wake()  # a slot is free
 
-        results = await asyncio.gather(*(bounded(target) for target in targets))
+    async def check_now(self, targets: list[CheckTarget]) -> dict[int, CheckResult]:
+        results = await asyncio.gather(*(check(target) for target in targets))
         now = time.time_ns()
         removed = await self._store.record_checks(
             list(zip(targets, results, strict=True)), now, now + self._interval_ns, MAX_FAILED_CHECKS

@@ -464,13 +464,20 @@ class DirectoryStore:
         """Have PostgreSQL re-read the directory tables' statistics (its plans depend on them)."""
         await self.db.fetch(text(f"ANALYZE {services.name}, {properties_table.name}"))
 
-    async def claim_due_checks(self, now_ns: int, lease_ns: int, limit: int) -> list[CheckTarget]:
-        """Take up to `limit` entries due for a health check, for `lease_ns`.
+    async def claim_due_checks(
+        self, now_ns: int, lease_ns: int, limit: int, *, failing: bool = False
+    ) -> list[CheckTarget]:
+        """Take up to `limit` entries due for a health check, for `lease_ns`: of those that
+        passed their last check, or (`failing`) of those that failed it.
 
         On PostgreSQL, SKIP LOCKED lets replicas claim disjoint entries at the same time; an
         entry stays claimed until its lease expires, so a crashed replica's claims are taken over.
         """
-        is_due = (services.c.next_check_at <= now_ns, services.c.claimed_until < now_ns)
+        is_due = (
+            services.c.next_check_at <= now_ns,
+            services.c.claimed_until < now_ns,
+            services.c.failed_checks > 0 if failing else services.c.failed_checks == 0,
+        )
         # A read first: most polls find nothing due, and need not take the write lock for that.
         if not await self.db.fetch(select(services.c.service_id).where(*is_due).limit(1)):
             return []

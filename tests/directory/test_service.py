@@ -465,3 +465,40 @@ async def test_inquiries_drive_from_their_rarest_property(database_url: str) -> 
         assert await store._rarest({"common": "x", "rare": "y"}) == ("rare", "y")
     finally:
         await database.close()
+
+
+async def test_a_dead_service_is_hidden_in_time_whatever_else_is_registered(
+    directory_factory: DirectoryFactory,
+) -> None:
+    live = await FakeCogmentService("ServiceActorSP").start()
+    silent = await FakeTcpService(silent=True).start()  # accepts connections, never answers gRPC
+    try:
+        interval = 2.0
+        flags = ("--health_check_interval", str(interval), "--registration_check_wait", "0")
+        async with directory_factory(*flags) as directory:
+            await register_ok(
+                directory, request(ACTOR, {"live": "1"}, protocol=GRPC, host="127.0.0.1", port=live.port)
+            )
+
+            async def visible() -> bool:
+                return bool(await visible_ids(directory, properties={"live": "1"}))
+
+            await eventually(visible)
+            # A flood of endpoints whose every check runs into its deadline.
+            flood = [
+                request(ACTOR, {"n": str(n)}, protocol=GRPC, host="127.0.0.1", port=silent.port)
+                for n in range(300)
+            ]
+            await register_ok(directory, *flood)
+            await live.stop()
+
+            async def hidden() -> bool:
+                return not await visible()
+
+            # Its interval plus one check's deadline (3 s), with room to spare: with checks run in
+            # batches waiting for their slowest members, this took minutes.
+            await eventually(hidden, timeout_s=interval + 3 + 10)
+            assert await directory.service.store.count() == 301  # the flood is still there
+    finally:
+        await live.stop()
+        await silent.stop()
