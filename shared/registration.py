@@ -33,7 +33,12 @@ Behaviour:
   certificate for a directory that requires one (mTLS). An unreadable file is logged as an error
   and the service keeps serving, unregistered. (The reference only spoke plaintext.)
 * `stop()` cancels a registration still in progress and deregisters every registration made, on
-  one Deregister stream with a 10 s deadline; failures are only logged. A registration the
+  one Deregister stream with a 10 s deadline; failures are only logged.
+* Restarts: with a `state_file` (the services keep it in their data directory, mode 0600: it
+  holds secrets), the registrations not yet deregistered are written there. A process that starts
+  after one that died (kill -9, a crash) first deregisters what its predecessor left, so the
+  directory does not list the endpoint twice (the old entry would keep passing its health checks,
+  the new process answering on its port). A registration the
   directory accepted but whose reply was cut off by `stop()` is not known here; as it is not
   permanent, the directory's health checks remove it once the service is gone.
 """
@@ -43,7 +48,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
+import json
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -241,6 +249,7 @@ class DirectoryRegistration:
         deregister_timeout_s: float = DEREGISTER_TIMEOUT_S,
         attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
         retry_max_s: float = RETRY_MAX_S,
+        state_file: Path | None = None,
     ) -> None:
         """`directory_endpoint` empty disables registration; otherwise an invalid URL raises
         ValueError. `bind_address` is the address the service listens on: a specific (not
@@ -257,6 +266,7 @@ class DirectoryRegistration:
         self.deregister_timeout_s = deregister_timeout_s
         self.attempt_timeout_s = attempt_timeout_s
         self.retry_max_s = retry_max_s
+        self.state_file = state_file
         self._registered: list[RegisteredService] = []
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
@@ -353,8 +363,9 @@ class DirectoryRegistration:
         if channel is None:
             return
         try:
-            if self._registered:
-                await self._deregister(channel)
+            registered, self._registered = self._registered, []
+            if registered:
+                await self._save(await self._deregister(channel, registered))
         finally:
             await channel.close()
 
@@ -373,6 +384,15 @@ class DirectoryRegistration:
 
     async def _register(self, port: int) -> None:
         try:
+            left = await self._load()
+            if left:
+                # A previous process of this service died registered: its entries go first.
+                assert self._channel is not None
+                self._log.info(
+                    "deregistering what a previous process left", service_ids=[r.service_id for r in left]
+                )
+                self._registered = await self._deregister(self._channel, left)
+                await self._save(self._registered)
             host, source = await self._registration_host()
             if host is None:
                 self._log.error(
@@ -428,6 +448,7 @@ class DirectoryRegistration:
                         self._handle_reply(pending.pop(0), reply, host, port)
                 if pending:
                     raise RuntimeError("the directory ended the Register stream without replying")
+                await self._save(self._registered)
             except (grpc.aio.AioRpcError, RuntimeError) as error:
                 now = time.monotonic()
                 details = (
@@ -470,8 +491,11 @@ class DirectoryRegistration:
                 "the directory refused the registration", type=type_name, error=reply.error_msg, host=host
             )
 
-    async def _deregister(self, channel: grpc.aio.Channel) -> None:
-        registered, self._registered = self._registered, []
+    async def _deregister(
+        self, channel: grpc.aio.Channel, registered: list[RegisteredService]
+    ) -> list[RegisteredService]:
+        """Deregister these; returns those the directory did not answer for (still registered,
+        perhaps)."""
         stub = directory_pb2_grpc.DirectorySPStub(channel)
         requests = [
             directory_pb2.DeregisterRequest(service_id=r.service_id, secret=r.secret) for r in registered
@@ -509,3 +533,43 @@ class DirectoryRegistration:
             self._log.warning("could not deregister from the directory", exc_info=error)
         finally:
             call.cancel()
+        return registered[answered:]
+
+    async def _load(self) -> list[RegisteredService]:
+        """What the state file says is still registered (nothing if there is no such file)."""
+        if self.state_file is None:
+            return []
+        try:
+            text = await asyncio.to_thread(self.state_file.read_text)
+            return [RegisteredService(**item) for item in json.loads(text)]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, TypeError) as error:
+            self._log.warning(
+                "ignoring an unreadable registration state file", file=str(self.state_file), error=str(error)
+            )
+            return []
+
+    async def _save(self, registered: list[RegisteredService]) -> None:
+        """Record what is registered (removing the file when nothing is); failures are logged."""
+        if self.state_file is None:
+            return
+        try:
+            await asyncio.to_thread(_write_state, self.state_file, registered)
+        except OSError as error:
+            self._log.warning(
+                "could not write the registration state file", file=str(self.state_file), error=str(error)
+            )
+
+
+def _write_state(path: Path, registered: list[RegisteredService]) -> None:
+    if not registered:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    # Created 0600 (it holds secrets), written whole, then renamed over the old one.
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        json.dump([dataclasses.asdict(r) for r in registered], file)
+    os.replace(temporary, path)

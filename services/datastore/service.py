@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -98,6 +99,8 @@ class DatastoreService(Service[DatastoreSettings]):
             [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE],
             bind_address=settings.bind_address,
             ssl=bool(settings.tls_cert),
+            # What a process that died left registered is deregistered by the next one.
+            state_file=Path(settings.data_dir) / "datastore-directory-registration.json",
         )
 
     @property

@@ -120,6 +120,8 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
             [directory_pb2.MODEL_REGISTRY_SERVICE],
             bind_address=settings.bind_address,
             ssl=bool(settings.tls_cert),
+            # What a process that died left registered is deregistered by the next one.
+            state_file=Path(settings.data_dir) / "model_registry-directory-registration.json",
         )
 
     @property

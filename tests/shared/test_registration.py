@@ -424,3 +424,31 @@ async def test_unreadable_directory_tls_files_leave_the_service_unregistered(
     assert registration.registered == []
     assert any(entry["log_level"] == "error" and "missing-ca.pem" in str(entry.get("file")) for entry in logs)
     await registration.stop()
+
+
+async def test_a_restarted_service_replaces_what_its_dead_predecessor_registered(
+    directory: RunningDirectory, service_port: int, tmp_path: Path
+) -> None:
+    state_file = tmp_path / "data" / "registration.json"
+
+    def process() -> DirectoryRegistration:
+        return DirectoryRegistration(
+            f"grpc://{directory.address}", [MODEL_REGISTRY], host="127.0.0.1", state_file=state_file
+        )
+
+    dead = process()
+    await dead.start(service_port)
+    await asyncio.wait_for(dead.wait(), WAIT_S)
+    [old] = dead.registered
+    assert state_file.stat().st_mode & 0o777 == 0o600  # it holds the secret
+    # It dies without deregistering (kill -9); the next process serves on the same port.
+    restarted = process()
+    await restarted.start(service_port)
+    await asyncio.wait_for(restarted.wait(), WAIT_S)
+    [new] = restarted.registered
+    assert new.service_id != old.service_id
+    assert [found.service_id for found in await inquire(directory, MODEL_REGISTRY)] == [new.service_id]
+
+    await restarted.stop()
+    assert await inquire(directory, MODEL_REGISTRY) == []
+    assert not state_file.exists()  # nothing left registered
