@@ -816,7 +816,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "services.directory",
         "--port", "0", "--bind_address", "127.0.0.1", "--log_format", "json",
-        "--database_url", database_url,
+        "--database_url", database_url, "--data_dir", str(workdir),
     ]  # fmt: skip
     if args.server_log_level:
         command += ["--log_level", args.server_log_level]

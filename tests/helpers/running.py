@@ -9,9 +9,11 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from sqlalchemy.engine import make_url
 
 from services.datastore.service import DatastoreService
 from services.directory.service import DirectoryService
@@ -76,9 +78,14 @@ def make_directory_factory(database_url: str) -> DirectoryFactory:
     """`async with factory("--load_balancing") as d:` runs a directory in-process on
     `database_url` with the given extra flags; several may run at once (replicas)."""
 
+    # Its key file next to an SQLite database (on PostgreSQL the key stays in the database).
+    url = make_url(database_url)
+    data_dir = str(Path(url.database).parent) if url.get_backend_name() == "sqlite" and url.database else None
+
     @asynccontextmanager
     async def start(*flags: str) -> AsyncIterator[RunningDirectory]:
-        running = serving(DirectoryService, "--database_url", database_url, *flags)
+        defaults = ["--data_dir", data_dir] if data_dir and "--data_dir" not in flags else []
+        running = serving(DirectoryService, "--database_url", database_url, *defaults, *flags)
         async with running as (service, channel):
             yield RunningDirectory(service, channel, directory_pb2_grpc.DirectorySPStub(channel))
 

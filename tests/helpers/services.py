@@ -119,7 +119,10 @@ def start_service(
     """Start `python -m <module> --port 0 --bind_address 127.0.0.1 --log_format json <args>`."""
     environment = clean_environment(env)
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
-    log_path = log_dir / f"{module.replace('.', '_')}-{os.getpid()}-{time.monotonic_ns()}.log"
+    name = f"{module.replace('.', '_')}-{os.getpid()}-{time.monotonic_ns()}"
+    log_path = log_dir / f"{name}.log"
+    if "--data_dir" not in args:  # its files (a key, a registration) never in the project's tree
+        args = ["--data_dir", str(log_dir / f"{name}-data"), *args]
     command = [
         sys.executable, "-m", module,
         "--port", "0", "--bind_address", "127.0.0.1", "--log_format", "json", "--log_level", "debug",
