@@ -37,6 +37,13 @@ deregistrations_total = Counter(
 )
 
 
+def keyed_digest(key: bytes, token_digest: str) -> str:
+    """What a token is stored and compared as: HMAC-SHA256 of its SHA-256 (hex), so that a copy of
+    the database cannot be searched for weak tokens, and earlier releases' unkeyed digests could
+    be converted in place (DirectoryStore.key_token_digests)."""
+    return hmac.new(key, token_digest.encode("ascii"), hashlib.sha256).hexdigest()
+
+
 def derive_secret(key: bytes, service_id: int, nonce: str) -> str:
     """The secret of an entry: 256 bits, URL-safe, never stored (only its nonce is)."""
     mac = hmac.new(key, f"{service_id}:{nonce}".encode(), hashlib.sha256).digest()
@@ -72,7 +79,9 @@ class Directory:
             registration = Registration(
                 registration.endpoint, registration.service_type, registration.properties, permanent=True
             )
-        service_id, nonce, created = await self._store.add(registration, sha256_hex(token), time.time_ns())
+        service_id, nonce, created = await self._store.add(
+            registration, self._token_digest(token), time.time_ns()
+        )
         registrations_total.labels("created" if created else "updated").inc()
         log.debug(
             "registered",
@@ -90,6 +99,9 @@ class Directory:
             await self._checker.first_check(target, self.first_check_wait_s)
         return service_id, derive_secret(self._secret_key, service_id, nonce)
 
+    def _token_digest(self, token: str) -> str:
+        return keyed_digest(self._secret_key, sha256_hex(token))
+
     async def deregister(self, service_id: int, secret: str, token: str) -> None:
         credentials = await self._store.credentials(service_id)
         if credentials is None:
@@ -99,7 +111,7 @@ class Directory:
             )
         token_digest, nonce = credentials
         expected = derive_secret(self._secret_key, service_id, nonce)
-        token_ok = hmac.compare_digest(token_digest, sha256_hex(token))
+        token_ok = hmac.compare_digest(token_digest, self._token_digest(token))
         secret_ok = hmac.compare_digest(expected.encode(), secret.encode("utf-8", "surrogatepass"))
         if not (token_ok and secret_ok):
             deregistrations_total.labels("refused").inc()
@@ -112,7 +124,7 @@ class Directory:
         """Healthy matching entries visible with `token`, in pages: most recent first, or load
         balanced (each page shuffled). With a registration lag, an inquiry that finds nothing
         looks again every second for that many seconds."""
-        token_digest = sha256_hex(token)
+        token_digest = self._token_digest(token)
         if not inquiry.can_match:
             return  # nothing to wait for: the registration lag does not apply
         for attempt in range(self.registration_lag_s + 1):

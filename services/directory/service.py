@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Gauge
 
-from services.directory.core import DEFAULT_FIRST_CHECK_WAIT_S, Directory
+from services.directory.core import DEFAULT_FIRST_CHECK_WAIT_S, Directory, keyed_digest
 from services.directory.health import HealthChecker
+from services.directory.secret_key import directory_key
 from services.directory.servicer import DirectoryServicer
 from services.directory.store import DirectoryStore
 from shared.api import directory_pb2, directory_pb2_grpc
@@ -73,8 +75,9 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "secret_key",
-        "key the registration secrets are derived from; the same for every replica "
-        "(default: generated once and kept in the database)",
+        "key the registration secrets are derived from and tokens digested with; the same for "
+        "every replica (default: generated once into <data_dir>/directory.key, mode 0600; on "
+        "PostgreSQL, kept in the database, with a warning)",
         None,
         f"{ENV_PREFIX}_SECRET_KEY",
     ),
@@ -121,10 +124,14 @@ class DirectoryService(Service[DirectorySettings]):
         log.info("opening database", database=self.database.display_url)
         await self.database.migrate()
         settings = self.settings
+        key = await directory_key(settings.secret_key, settings.data_dir, self.store)
+        converted = await self.store.key_token_digests(functools.partial(keyed_digest, key))
+        if converted:
+            log.info("token digests are now keyed", tokens=converted)
         directory = Directory(
             self.store,
             self.checker,
-            await self.store.secret_key(settings.secret_key),
+            key,
             force_permanent=settings.force_permanent,
             load_balancing=settings.load_balancing,
             check_on_inquire=settings.check_on_inquire,

@@ -9,7 +9,7 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -49,6 +49,9 @@ from shared.schema import directory_services as services
 from shared.schema import directory_settings as settings
 
 SECRET_KEY_SETTING = "secret_key"
+# Token digests are keyed (HMAC) once this setting says so (see key_token_digests).
+TOKEN_DIGESTS_SETTING = "token_digests"
+KEYED_TOKEN_DIGESTS = "hmac-sha256"
 # Registrations written in one transaction at most (group commit).
 ADD_BATCH = 256
 # Choosing the driving property of an inquiry: counts are capped (an exact count of a common
@@ -240,15 +243,15 @@ class DirectoryStore:
         self._pair_counts: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
         self._name_counts: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
-    async def secret_key(self, configured: str | None) -> bytes:
-        """The key secrets are derived from: the configured one, else one generated once and
-        shared by every replica through the database."""
-        if configured:
-            return configured.encode("utf-8")
+    async def stored_secret_key(self) -> str | None:
+        """The key kept in the database (earlier releases kept it there; see secret_key.py)."""
+        rows = await self.db.fetch(select(settings.c.value).where(settings.c.name == SECRET_KEY_SETTING))
+        return str(rows[0][0]) if rows else None
+
+    async def create_stored_secret_key(self, candidate: str) -> str:
+        """Keep `candidate` in the database unless a key is there already; the key kept."""
         insert_once = (
-            self.db.insert(settings)
-            .values(name=SECRET_KEY_SETTING, value=secrets.token_urlsafe(32))
-            .on_conflict_do_nothing()
+            self.db.insert(settings).values(name=SECRET_KEY_SETTING, value=candidate).on_conflict_do_nothing()
         )
 
         def write(transaction: Transaction) -> Any:
@@ -257,7 +260,36 @@ class DirectoryStore:
                 select(settings.c.value).where(settings.c.name == SECRET_KEY_SETTING)
             )
 
-        return str(await self.db.write(write)).encode("utf-8")
+        return str(await self.db.write(write))
+
+    async def forget_stored_secret_key(self) -> None:
+        statement = delete(settings).where(settings.c.name == SECRET_KEY_SETTING)
+        await self.db.write(lambda transaction: transaction.execute(statement))
+
+    async def key_token_digests(self, keyed: Callable[[str], str]) -> int:
+        """Once per database: replace the unkeyed token digests of earlier releases (SHA-256 of
+        the token) by `keyed(digest)`; returns how many tokens were converted. The marker row is
+        inserted in the same transaction, so one replica converts and the others wait for it."""
+        mark = (
+            self.db.insert(settings)
+            .values(name=TOKEN_DIGESTS_SETTING, value=KEYED_TOKEN_DIGESTS)
+            .on_conflict_do_nothing()
+            .returning(settings.c.name)
+        )
+
+        def write(transaction: Transaction) -> int:
+            if transaction.execute(mark).first() is None:
+                return 0  # converted already
+            digests = transaction.connection.scalars(select(services.c.token_digest).distinct()).all()
+            for digest in digests:
+                transaction.execute(
+                    update(services)
+                    .where(services.c.token_digest == digest)
+                    .values(token_digest=keyed(digest))
+                )
+            return len(digests)
+
+        return await self.db.write(write)
 
     async def add(self, registration: Registration, token_digest: str, now_ns: int) -> tuple[int, str, bool]:
         """Store a registration; returns (service id, secret nonce, created).
