@@ -5,6 +5,7 @@ manifests say checked against the services' own options."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -704,3 +705,21 @@ def test_dockerignore_keeps_the_build_context_small() -> None:
     # ...but not what the image is built from.
     for kept in ["shared", "services", "migrations", "pyproject.toml", "README.md"]:
         assert kept not in patterns
+
+
+def test_the_directory_key_comes_from_a_secret_the_chart_generates_once(
+    default_manifests: list[Manifest],
+) -> None:
+    (key_secret,) = [
+        m for m in of_kind(default_manifests, "Secret") if m["metadata"]["name"].endswith("-key")
+    ]
+    assert key_secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(key_secret["data"]["secret-key"])) == 43
+    directory = env_of(pod_spec(by_component(default_manifests, "Deployment")["directory"])["containers"][0])
+    assert directory["COGMENT_DIRECTORY_SECRET_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": key_secret["metadata"]["name"],
+        "key": "secret-key",
+    }
+    # A named Secret is used as it is: nothing generated.
+    named = render(set_values={"directory.secretKey.existingSecret": "mine"})
+    assert [m for m in of_kind(named, "Secret") if m["metadata"]["name"].endswith("-key")] == []
