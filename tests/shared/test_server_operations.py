@@ -59,7 +59,8 @@ T = TypeVar("T")
 
 
 def database_flags(directory: Path) -> list[str]:
-    return ["--database_url", f"sqlite+aiosqlite:///{directory / 'd.db'}"]
+    """An SQLite database in `directory`, which is also the data directory (for the key file)."""
+    return ["--database_url", f"sqlite+aiosqlite:///{directory / 'd.db'}", "--data_dir", str(directory)]
 
 
 def registration(host: str) -> directory_pb2.RegisterRequest:
