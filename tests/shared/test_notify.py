@@ -4,6 +4,7 @@ and after the listening connection was lost."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,55 +18,56 @@ async def _notify(database: Database, feed: ChangeFeed, keys: list[str]) -> None
     await database.write(lambda transaction: transaction.changed(keys), feed)
 
 
-async def test_local_wake_reaches_only_watches_of_the_key(tmp_path: Path) -> None:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'feed.db'}")
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'feed.db'}"
+
+
+@pytest.fixture
+async def sqlite_feed(sqlite_url: str) -> AsyncIterator[ChangeFeed]:
+    """A started feed on an SQLite file (its database is `feed.database`)."""
+    database = Database(sqlite_url)
     feed = ChangeFeed(database, "test")
     await feed.start()
+    yield feed
+    await feed.stop()
+    await database.close()
+
+
+async def test_local_wake_reaches_only_watches_of_the_key(sqlite_feed: ChangeFeed) -> None:
+    feed = sqlite_feed
+    with feed.watch(["a"]) as watch_a, feed.watch(["b"]) as watch_b:
+        feed.wake(["a"])
+        assert await watch_a.wait(2)
+        assert not await watch_b.wait(0.05)
+        # A change notified before the wait is not lost.
+        feed.wake(["b"])
+        assert await watch_b.wait(0)
+
+
+async def test_an_idle_watch_is_not_woken_without_a_change(sqlite_feed: ChangeFeed) -> None:
+    feed = sqlite_feed
+    with feed.watch(["a"]) as watch_a, feed.watch(["b"]) as watch_b:
+        # Not by a timer (a poll period passes several times over)...
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(watch_b.wait(), 4 * SQLITE_POLL_PERIOD_S)
+        # ...nor by this process's own commits of other keys.
+        await _notify(feed.database, feed, ["a"])
+        assert await watch_a.wait(2)
+        assert not await watch_b.wait(4 * SQLITE_POLL_PERIOD_S)
+
+
+async def test_another_processs_commit_to_the_sqlite_file_wakes_every_watch(
+    sqlite_feed: ChangeFeed, sqlite_url: str
+) -> None:
+    other_process = Database(sqlite_url)
     try:
-        with feed.watch(["a"]) as watch_a, feed.watch(["b"]) as watch_b:
-            feed.wake(["a"])
-            assert await watch_a.wait(2)
-            assert not await watch_b.wait(0.05)
-            # A change notified before the wait is not lost.
-            feed.wake(["b"])
-            assert await watch_b.wait(0)
-    finally:
-        await feed.stop()
-        await database.close()
-
-
-async def test_an_idle_watch_is_not_woken_without_a_change(tmp_path: Path) -> None:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'feed.db'}")
-    feed = ChangeFeed(database, "test")
-    await feed.start()
-    try:
-        with feed.watch(["a"]) as watch_a, feed.watch(["b"]) as watch_b:
-            # Not by a timer (a poll period passes several times over)...
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(watch_b.wait(), 4 * SQLITE_POLL_PERIOD_S)
-            # ...nor by this process's own commits of other keys.
-            await _notify(database, feed, ["a"])
-            assert await watch_a.wait(2)
-            assert not await watch_b.wait(4 * SQLITE_POLL_PERIOD_S)
-    finally:
-        await feed.stop()
-        await database.close()
-
-
-async def test_another_processs_commit_to_the_sqlite_file_wakes_every_watch(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path / 'feed.db'}"
-    database, other_process = Database(url), Database(url)
-    feed = ChangeFeed(database, "test")
-    await feed.start()
-    try:
-        with feed.watch(["a"]) as watch:
+        with sqlite_feed.watch(["a"]) as watch:
             await asyncio.sleep(2 * SQLITE_POLL_PERIOD_S)  # the feed has read the file's state
             assert not await watch.wait(0)
             await other_process.write(lambda transaction: transaction.execute(text("CREATE TABLE t (x)")))
             assert await watch.wait(10 * SQLITE_POLL_PERIOD_S)
     finally:
-        await feed.stop()
-        await database.close()
         await other_process.close()
 
 
