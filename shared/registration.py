@@ -51,7 +51,6 @@ import contextlib
 import dataclasses
 import ipaddress
 import json
-import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -71,6 +70,7 @@ from shared.endpoints import (
     service_type_name,
 )
 from shared.logging import get_logger
+from shared.private_file import write_private_file
 from shared.settings import Settings
 from shared.version import PACKAGE_VERSION
 
@@ -563,13 +563,7 @@ class DirectoryRegistration:
 
 
 def _write_state(path: Path, registered: list[RegisteredService]) -> None:
-    if not registered:
+    if registered:
+        write_private_file(path, json.dumps([dataclasses.asdict(r) for r in registered]))
+    else:
         path.unlink(missing_ok=True)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    # Created 0600 (it holds secrets), written whole, then renamed over the old one.
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        json.dump([dataclasses.asdict(r) for r in registered], file)
-    os.replace(temporary, path)

@@ -14,12 +14,12 @@ deregister: those entries are left to their health checks).
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 from pathlib import Path
 
 from services.directory.store import DirectoryStore
 from shared.logging import get_logger
+from shared.private_file import write_private_file
 
 KEY_FILE = "directory.key"
 
@@ -59,12 +59,5 @@ def _read_or_create(path: Path, initial: str | None) -> str:
     except FileNotFoundError:
         pass
     key = initial or secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-        file.write(key)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    write_private_file(path, key)
     return key

@@ -48,6 +48,7 @@ class _Load:
         self.filled = 0
         self.error: BaseException | None = None
         self.forgotten = False
+        # Held here: the event loop keeps only a weak reference to a running task.
         self.task: asyncio.Task[None] | None = None
         # Replaced at each step: a reader takes the current one before looking at `filled`.
         self.progressed = asyncio.Event()
