@@ -5,16 +5,22 @@ BIN := $(VENV)/bin
 
 .PHONY: install run test check-generated lint typecheck pytest generate bench bench-registry bench-datastore
 
-$(BIN)/.installed: pyproject.toml
+# Running the services needs the runtime dependencies only; the tests and checks add the dev ones.
+$(BIN)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(BIN)/.installed: $(BIN)/.runtime
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
 install: $(BIN)/.installed
 
-run: install
-	$(BIN)/python -m services
+# `make run ARGS='--directory="--port 9105"'` passes flags on (see `python -m services --help`).
+run: $(BIN)/.runtime
+	$(BIN)/python -m services $(ARGS)
 
 test: install check-generated lint typecheck pytest
 

@@ -1,33 +1,146 @@
-"""`python -m services`: run every service on the embedded default, each on its default port.
-
-Each service runs in its own process (as it would in production); Ctrl-C or SIGTERM stops them
-all gracefully. Flags are not forwarded: run `python -m services.<name> --help` for those.
-"""
+"""`python -m services [flags]`: every service in its own process, as in production (what `make
+run` starts). What it does, and its exit status, are in DESCRIPTION and EPILOG (`--help`)."""
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-SERVICES = ["services.directory", "services.model_registry", "services.datastore"]
+from shared.config import Option, parse_options
+from shared.logging import configure_logging, get_logger, logging_options
+
+# Each service, and the prefix of its environment variables.
+SERVICES = {
+    "directory": "COGMENT_DIRECTORY",
+    "model_registry": "COGMENT_MODEL_REGISTRY",
+    "datastore": "COGMENT_TRIAL_DATASTORE",
+}
+POLL_INTERVAL_S = 0.2
+# What a service stopped by the supervisor (or by the terminal's Ctrl-C, which reaches every
+# process of the group) may end with: a clean exit, or the signal itself before it handled it.
+STOPPED_CLEANLY = {0, -signal.SIGTERM, -signal.SIGINT}
+
+DESCRIPTION = """\
+Run the Directory, the Model Registry and the Trial Datastore, each in its own process on its
+default port (9005, 9002, 9003), on the embedded default: SQLite and local files under
+./.cogment-aux/."""
+_PREFIXES = ", ".join(f"{prefix}_*" for prefix in SERVICES.values())
+EPILOG = f"""\
+Each service also reads its own environment variables ({_PREFIXES}),
+listed by `python -m services.<name> --help` and in the README; the logging flags above are
+passed to every service. A service's flags go in one argument; write it with `=` when it starts
+with `--`:
+  python -m services --directory="--port 9105" --datastore="--port 9103 --outage_bound 60"
+
+Ctrl-C or SIGTERM stops every service (a second one kills them); the exit status is then 0. When
+a service ends by itself, the others are stopped and the exit status is that service's: its own
+if it failed, 128 + the signal if one killed it, 1 if it exited cleanly unasked.
+"""
+
+OPTIONS = [
+    *logging_options(),
+    *(
+        Option(name, f"flags of the {name} service, in one argument", "", metavar="FLAGS")
+        for name in SERVICES
+    ),
+]
+
+log = get_logger("services")
 
 
-def main() -> int:
-    children = [subprocess.Popen([sys.executable, "-m", module]) for module in SERVICES]
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
 
-    def stop(_signum: int, _frame: object) -> None:
+
+def _flags_of(name: str, text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise SystemExit(f"python -m services: error: --{name}: {error}") from None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # e.g. a real-time signal
+        return f"signal {number}"
+
+
+def _exit_status(returncode: int) -> int:
+    """The supervisor's exit status for a service that ended unasked with `returncode`."""
+    if returncode < 0:
+        return 128 - returncode  # killed by a signal, as shells report it
+    return returncode or 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    values = parse_options(OPTIONS, argv, prog="python -m services", description=DESCRIPTION, epilog=EPILOG)
+    configure_logging(values["log_level"], values["log_format"], values["log_file"])
+    logging_flags = ["--log_level", values["log_level"], "--log_format", values["log_format"]]
+    if values["log_file"]:
+        logging_flags += ["--log_file", values["log_file"]]
+    commands = {
+        name: [sys.executable, "-m", f"services.{name}", *logging_flags, *_flags_of(name, values[name])]
+        for name in SERVICES
+    }
+    children: list[Child] = []
+    signals_received = 0
+
+    def forward() -> None:
+        # The first signal asks the services to stop; another one does not wait for them.
+        sent = signal.SIGTERM if signals_received <= 1 else signal.SIGKILL
         for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+            if child.process.poll() is None:
+                child.process.send_signal(sent)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while all(child.poll() is None for child in children):
-        time.sleep(0.2)
-    stop(signal.SIGTERM, None)  # one exited: take the others down too
-    return max(child.wait() for child in children)
+    def on_signal(_signum: int, _frame: object) -> None:
+        nonlocal signals_received
+        signals_received += 1
+        forward()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ended: Child | None = None
+    status = 0
+    try:
+        for name, command in commands.items():
+            if signals_received:
+                break
+            children.append(Child(name, subprocess.Popen(command)))
+            log.info("started", service=name, pid=children[-1].process.pid)
+        if signals_received:  # a child started while the signal was handled has not had it
+            forward()
+        while not signals_received:
+            ended = next((child for child in children if child.process.poll() is not None), None)
+            if ended is not None:
+                break
+            time.sleep(POLL_INTERVAL_S)
+        if ended is not None and not signals_received:
+            returncode = ended.process.returncode
+            log.error(
+                "a service ended: stopping the others",
+                service=ended.name,
+                pid=ended.process.pid,
+                exit_status=None if returncode < 0 else returncode,
+                signal=_signal_name(-returncode) if returncode < 0 else None,
+            )
+            status = _exit_status(returncode)
+    finally:
+        if not signals_received:  # a service ended, or the supervisor failed: stop the others
+            forward()
+        for child in children:
+            returncode = child.process.wait()
+            if child is not ended and returncode not in STOPPED_CLEANLY:
+                log.error("a service failed to stop cleanly", service=child.name, exit_status=returncode)
+                status = status or _exit_status(returncode)
+    return status
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -197,6 +199,15 @@ def make_progress(label: str, total: int, unit: ProgressUnit, values: Values, er
     return Progress(label, total, err if wanted else None, unit)
 
 
+def _discard_standard_output(out: TextIO) -> None:
+    """Point standard output, when `out` is it, at /dev/null: Python flushes it at exit, which
+    would fail (and print a traceback) on the closed pipe again."""
+    if out is sys.stdout:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 # ---- the connection ----
 
 
@@ -295,7 +306,7 @@ class ClientProgram(Generic[C]):
     """A command-line client: its flags, its commands, and how it connects to its service.
 
     `main` exits with 0 on success, 1 on failure (a ClientError, or a gRPC error described by the
-    client), 2 on invalid usage and 130 when interrupted."""
+    client), 2 on invalid usage, 130 when interrupted and 141 when its output is closed early."""
 
     prog: str
     description: str
@@ -307,7 +318,10 @@ class ClientProgram(Generic[C]):
         parser = argparse.ArgumentParser(
             prog=self.prog,
             description=self.description,
-            epilog="Exit codes: 0 success, 1 failure, 2 invalid usage.",
+            epilog=(
+                "Exit codes: 0 success, 1 failure, 2 invalid usage, 130 interrupted, 141 output "
+                "closed before everything was written (e.g. by `| head`)."
+            ),
         )
         add_options(parser, self.options)
         commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
@@ -346,11 +360,17 @@ class ClientProgram(Generic[C]):
         command.check(values, subparser.error)
         try:
             asyncio.run(self._execute(command, values, out, err))
+            out.flush()  # here, where a closed output is handled, not at exit
         except ClientError as error:
             print(f"Error: {error}", file=err)
             return 1
         except KeyboardInterrupt:
             return 130
+        except BrokenPipeError:
+            # The reader of the output went away (`| head`): stop quietly, with the status of a
+            # program that SIGPIPE ended.
+            _discard_standard_output(out)
+            return 128 + signal.SIGPIPE
         return 0
 
     async def _execute(self, command: Command[C], values: Values, out: TextIO, err: TextIO) -> None:

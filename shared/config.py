@@ -64,6 +64,7 @@ class Option:
     parse: Callable[[str], Any] = str
     choices: Sequence[str] | None = None
     aliases: Sequence[str] = ()
+    metavar: str | None = None  # what `--help` calls the value (default: the flag in capitals)
 
     @property
     def is_bool(self) -> bool:
@@ -86,6 +87,8 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
             kwargs.update(nargs="?", const=True, metavar="BOOL")
         if option.choices:
             kwargs["choices"] = option.choices
+        if option.metavar:
+            kwargs["metavar"] = option.metavar
         parser.add_argument(*names, **kwargs)
 
 
@@ -123,8 +126,15 @@ def parse_options(
     *,
     prog: str,
     description: str,
+    epilog: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    # Raw: an epilog keeps its lines (examples).
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_options(parser, options)
     return resolve(parser, options, parser.parse_args(argv), environ)

@@ -19,11 +19,13 @@ from alembic.config import Config
 from sqlalchemy import Table, create_engine, event, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, CursorResult, make_url
+from sqlalchemy.exc import ArgumentError, InvalidRequestError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.base import Executable
 
 from shared.dependencies import Dependency
+from shared.errors import StartupError
 from shared.logging import get_logger
 
 if TYPE_CHECKING:
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 
 _PROBE = text("SELECT 1")
 
+# What a database URL may be, as start-up errors say it.
+URL_FORMS = "sqlite+aiosqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -198,18 +202,33 @@ class Database:
     """An async engine plus the transaction helpers every store uses."""
 
     def __init__(self, url: str, *, pool_size: int = 10) -> None:
-        self.url = make_url(url)
+        """A StartupError says what is wrong with a URL this cannot use (nothing is connected yet)."""
+        unreadable = StartupError(
+            f"the database URL cannot be read as {URL_FORMS} (URL-encode a password holding any of "
+            "@ : / ? # [ ] % & + = or a space)"
+        )
+        try:
+            self.url = make_url(url)
+        except (ArgumentError, ValueError):
+            # Not SQLAlchemy's message: it quotes the URL, password included.
+            raise unreadable from None
+        if "@" in (self.url.host or ""):  # `user:p@ss@host`: the rest of a password, as the host
+            raise unreadable
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
         self.is_postgresql = self.url.get_backend_name() == "postgresql"
         if not (self.is_sqlite or self.is_postgresql):
-            raise ValueError(
-                f"unsupported database URL {self.url.render_as_string()!r}: use sqlite or postgresql"
-            )
+            raise StartupError(f"unsupported database URL {self.display_url}: use {URL_FORMS}")
         kwargs: dict[str, Any] = {}
         if self.is_sqlite:
             database = self.url.database or ""
             if database and database != ":memory:":
-                Path(database).parent.mkdir(parents=True, exist_ok=True)
+                directory = Path(database).parent
+                try:
+                    directory.mkdir(parents=True, exist_ok=True)
+                except OSError as error:
+                    raise StartupError(
+                        f"cannot create {directory}, the directory of the database file: {error.strerror}"
+                    ) from None
         else:
             # No pre-ping: it costs a round trip per checkout. A connection the server dropped fails
             # one call, and SQLAlchemy then replaces the pool's connections; old ones are recycled.
@@ -224,7 +243,12 @@ class Database:
                 # A host that drops packets must fail a call in seconds, not the OS's minutes.
                 connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
             )
-        self.engine: AsyncEngine = create_async_engine(self.url, **kwargs)
+        try:
+            self.engine: AsyncEngine = create_async_engine(self.url, **kwargs)
+        except (ArgumentError, InvalidRequestError, ImportError) as error:  # e.g. a driver that is not async
+            raise StartupError(
+                f"cannot use the database URL {self.display_url}: {error}; use {URL_FORMS}"
+            ) from None
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_on_connect)
             event.listen(self.engine.sync_engine, "begin", _sqlite_on_begin)

@@ -64,6 +64,18 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class StartupError(Exception):
+    """A problem the operator has to fix before a program can start (its configuration, a
+    dependency it cannot reach): said in one log line, exit status 1."""
+
+
+def describe(error: BaseException) -> str:
+    """`error` on one line, for an operator: a database error's own message, without the SQL
+    and the documentation link SQLAlchemy wraps it in."""
+    original = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
+    return " ".join(str(original).split()) or type(original).__name__
+
+
 class DependencyError(Exception):
     """Raised by an adapter (e.g. a blob store) for its backend's failures: the backend could
     not serve the request. Classified as UNAVAILABLE, or RESOURCE_EXHAUSTED for a full disk."""

@@ -15,6 +15,7 @@ import structlog
 
 from shared.config import Option
 
+# The reference's levels as standard-library levels (what libraries logging through it follow).
 LEVELS = {
     "trace": 5,
     "debug": logging.DEBUG,
@@ -23,6 +24,10 @@ LEVELS = {
     "error": logging.ERROR,
     "off": logging.CRITICAL + 10,
 }
+# structlog filters at the standard levels only (any other is a KeyError at start-up). Nothing
+# here logs below debug, so trace filters as debug does; off filters as critical does, and
+# `_drop_every_event` drops what remains.
+_STRUCTLOG_LEVELS = {name: min(max(level, logging.DEBUG), logging.CRITICAL) for name, level in LEVELS.items()}
 
 
 def logging_options() -> list[Option]:
@@ -50,19 +55,26 @@ def configure_logging(level: str = "info", log_format: str = "text", log_file: s
     )
     structlog.configure(
         processors=[
+            *([_drop_every_event] if level == "off" else []),
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(_log_stream),
+        wrapper_class=structlog.make_filtering_bound_logger(_STRUCTLOG_LEVELS[level]),
+        # One write per line (print writes the newline apart): processes sharing a stderr, as
+        # under `python -m services`, do not interleave within lines.
+        logger_factory=structlog.WriteLoggerFactory(_log_stream),
         # Loggers bind their configuration on first use instead of on every call (hot path).
         cache_logger_on_first_use=True,
     )
     # Libraries logging through the standard library (alembic, grpc) follow the same level.
     logging.basicConfig(level=max(LEVELS[level], logging.WARNING), stream=_log_stream, force=True)
+
+
+def _drop_every_event(_logger: Any, _method: str, _event: Any) -> Any:
+    raise structlog.DropEvent
 
 
 def get_logger(name: str) -> Any:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from shared.config import Option, parse_options
 from shared.db import DEFAULT_DATA_DIR, Database, current_revision, default_database_url
-from shared.errors import classify
+from shared.errors import StartupError, classify, describe
 from shared.logging import configure_logging, get_logger, logging_options
 
 OPTIONS = [
@@ -28,8 +28,7 @@ OPTIONS = [
 ]
 
 
-async def migrate(url: str) -> str | None:
-    database = Database(url)
+async def migrate(database: Database) -> str | None:
     try:
         await database.migrate()
         async with database.engine.connect() as connection:
@@ -43,19 +42,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         OPTIONS, argv, prog="python -m shared.migrate", description=__doc__.splitlines()[0]
     )
     configure_logging(values["log_level"], values["log_format"], values["log_file"])
+    log = get_logger("shared.migrate")
     url = values["database_url"] or default_database_url(values["data_dir"], values["service"])
     try:
-        revision = asyncio.run(migrate(url))
+        database = Database(url)
+    except StartupError as error:
+        log.error("cannot migrate", error=str(error))
+        return 1
+    try:
+        revision = asyncio.run(migrate(database))
     except Exception as error:
         if classify(error) is None:
             raise  # a bug: its traceback
-        get_logger("shared.migrate").error(
-            "cannot migrate", database=Database(url).display_url, error=str(error)
-        )
+        log.error("cannot migrate", database=database.display_url, error=describe(error))
         return 1
-    get_logger("shared.migrate").info(
-        "schema up to date", database=Database(url).display_url, revision=revision
-    )
+    log.info("schema up to date", database=database.display_url, revision=revision)
     return 0
 
 

@@ -7,12 +7,10 @@ Wiring in a `shared.server.Service`::
 
     def __init__(self, settings):  # settings: ServerSettings and RegistrationSettings
         ...
-        self.registration = DirectoryRegistration.from_settings(
-            settings, [directory_pb2.MODEL_REGISTRY_SERVICE], bind_address=settings.bind_address,
-            ssl=bool(settings.tls_cert))
+        self.registration = self.directory_registration([directory_pb2.MODEL_REGISTRY_SERVICE])
 
-    async def on_serving(self, port): await self.registration.start(port)
-    async def on_shutdown(self): await self.registration.stop()
+`serve()` starts a service's `registration` once its port is open, and stops it (deregistering,
+within half the shutdown grace) when shutdown begins.
 
 Behaviour:
 * No `--directory_endpoint` (the default): nothing happens.
@@ -33,7 +31,8 @@ Behaviour:
   certificate for a directory that requires one (mTLS). An unreadable file is logged as an error
   and the service keeps serving, unregistered. (The reference only spoke plaintext.)
 * `stop()` cancels a registration still in progress and deregisters every registration made, on
-  one Deregister stream with a 10 s deadline; failures are only logged.
+  one Deregister stream with a 10 s deadline (or the shorter one the caller gives); failures are
+  only logged.
 * Restarts: with a `state_file` (the services keep it in their data directory, mode 0600: it
   holds secrets), the registrations not yet deregistered are written there. A process that starts
   after one that died (kill -9, a crash) first deregisters what its predecessor left, so the
@@ -352,8 +351,9 @@ class DirectoryRegistration:
         if self._task is not None:
             await asyncio.wait([self._task])
 
-    async def stop(self) -> None:
-        """Cancel a pending registration and deregister; never raises for directory errors."""
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Cancel a pending registration and deregister, within `timeout_s` when given (else the
+        deregistration timeout); never raises for directory errors."""
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -365,7 +365,9 @@ class DirectoryRegistration:
         try:
             registered, self._registered = self._registered, []
             if registered:
-                await self._save(await self._deregister(channel, registered))
+                if timeout_s is None or timeout_s > self.deregister_timeout_s:
+                    timeout_s = self.deregister_timeout_s
+                await self._save(await self._deregister(channel, registered, timeout_s))
         finally:
             await channel.close()
 
@@ -391,7 +393,7 @@ class DirectoryRegistration:
                 self._log.info(
                     "deregistering what a previous process left", service_ids=[r.service_id for r in left]
                 )
-                self._registered = await self._deregister(self._channel, left)
+                self._registered = await self._deregister(self._channel, left, self.deregister_timeout_s)
                 await self._save(self._registered)
             host, source = await self._registration_host()
             if host is None:
@@ -492,7 +494,7 @@ class DirectoryRegistration:
             )
 
     async def _deregister(
-        self, channel: grpc.aio.Channel, registered: list[RegisteredService]
+        self, channel: grpc.aio.Channel, registered: list[RegisteredService], timeout_s: float
     ) -> list[RegisteredService]:
         """Deregister these; returns those the directory did not answer for (still registered,
         perhaps)."""
@@ -501,7 +503,7 @@ class DirectoryRegistration:
             directory_pb2.DeregisterRequest(service_id=r.service_id, secret=r.secret) for r in registered
         ]
         call = stub.Deregister(
-            iter(requests), metadata=self._metadata(), timeout=self.deregister_timeout_s, wait_for_ready=True
+            iter(requests), metadata=self._metadata(), timeout=timeout_s, wait_for_ready=True
         )
         answered = 0
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import socket
 import ssl
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,10 +27,12 @@ from shared import metrics
 from shared.config import Option, parse_options
 from shared.db import Database
 from shared.dependencies import Dependencies
-from shared.errors import classify
+from shared.endpoints import ServiceType
+from shared.errors import StartupError, classify, describe
 from shared.load import LoadMonitor
 from shared.logging import configure_logging, get_logger
 from shared.observer import ObservabilityInterceptor
+from shared.registration import DirectoryRegistration, RegistrationSettings
 from shared.runtime import ServiceRuntime
 from shared.settings import ServerSettings
 from shared.version import PACKAGE_VERSION
@@ -42,6 +45,7 @@ MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
 # The grpc.health.v1 service name of liveness: SERVING as long as the process serves, whatever its
 # dependencies; "" and each served service tell readiness.
 LIVENESS_SERVICE = "liveness"
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SettingsT = TypeVar("SettingsT", bound=ServerSettings)
 ServiceT = TypeVar("ServiceT", bound="Service[Any]")
 
@@ -64,6 +68,9 @@ class Service(Generic[SettingsT]):
         self.dependencies = Dependencies([self.database.as_dependency()], settings.outage_bound)
         # The bound port, once serving (the configured one may be 0).
         self.port: int | None = None
+        # Its registration in a directory, if it registers itself: `serve()` starts it once the
+        # port is open and deregisters when shutdown begins.
+        self.registration: DirectoryRegistration | None = None
 
     @property
     def grpc_service_names(self) -> Sequence[str]:
@@ -76,11 +83,19 @@ class Service(Generic[SettingsT]):
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         raise NotImplementedError
 
-    async def on_serving(self, port: int) -> None:
-        """Called once the port is open (e.g. to register in a directory)."""
-
-    async def on_shutdown(self) -> None:
-        """Called when shutdown begins, while calls still drain (e.g. to deregister)."""
+    def directory_registration(self, service_types: Sequence[ServiceType]) -> DirectoryRegistration:
+        """This service's registration as `service_types` in the directory its settings name (they
+        include `registration_options()`), for `self.registration`. What it registered is kept in
+        the data directory: what a process that died left registered is deregistered by the next."""
+        settings = self.settings
+        assert isinstance(settings, RegistrationSettings), "the service has no registration options"
+        return DirectoryRegistration.from_settings(
+            settings,
+            service_types,
+            bind_address=settings.bind_address,
+            ssl=bool(settings.tls_cert),
+            state_file=Path(settings.data_dir) / f"{self.name}-directory-registration.json",
+        )
 
     async def stop(self) -> None:
         """Called after the server stopped: release storage and background work."""
@@ -89,10 +104,6 @@ class Service(Generic[SettingsT]):
     def from_values(cls: type[ServiceT], values: Mapping[str, Any]) -> ServiceT:
         """The service configured by option values (see `shared.config.parse_options`)."""
         return cls(cls.settings_type.from_values(values))
-
-
-class StartupError(Exception):
-    """A start-up problem the operator has to fix: logged as one clear line, exit status 1."""
 
 
 def _read(path: str, what: str) -> bytes:
@@ -122,8 +133,33 @@ def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
             ) from None
 
 
+def _check_can_listen(host: str, port: int, flag: str) -> None:
+    """Raise a StartupError saying why `host`:`port` cannot be listened on: grpc would fail
+    without a reason, after printing its own core log line."""
+    where = f"{host}:{port} ({flag})"
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as error:
+        raise StartupError(f"could not listen on {where}: {error.strerror}") from None
+    for family, kind, protocol, _name, address in addresses:
+        try:
+            probe = socket.socket(family, kind, protocol)
+        except OSError:
+            continue  # a family this host does not have (IPv6 turned off): grpc skips it too
+        with probe:
+            # As grpc's listeners: a port whose old connections linger (TIME_WAIT) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                raise StartupError(f"could not listen on {where}: {error.strerror}") from None
+
+
 def _bind(server: grpc.aio.Server, settings: ServerSettings) -> int:
     address = f"{settings.bind_address}:{settings.port}"
+    _check_can_listen(settings.bind_address, settings.port, "--port")
     try:
         if settings.tls_cert or settings.tls_key:
             if not (settings.tls_cert and settings.tls_key):
@@ -155,7 +191,10 @@ def _bind_health(
         return None, None
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    # Reflection of the health service alone, so that grpcurl needs no proto file there.
+    reflection.enable_server_reflection([HEALTH_SERVICE, reflection.SERVICE_NAME], server)
     address = f"{settings.bind_address}:{settings.health_port}"
+    _check_can_listen(settings.bind_address, settings.health_port, "--health_port")
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:
@@ -209,6 +248,7 @@ async def serve(
         raise SystemExit(1) from None
 
     stop_event = stop_event or asyncio.Event()
+    shutdown_deadline: float | None = None  # the event loop's time by which the server stops
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
     for sig in signals:
@@ -222,7 +262,10 @@ async def serve(
         # A dependency that cannot be reached is said in one line; a bug with its traceback.
         unreachable = classify(error) is not None or isinstance(error, StartupError)
         log.error(
-            "cannot start", service=service.name, error=str(error), exc_info=None if unreachable else error
+            "cannot start",
+            service=service.name,
+            error=describe(error) if unreachable else str(error),
+            exc_info=None if unreachable else error,
         )
         await service.stop()
         await service.database.close()
@@ -235,7 +278,7 @@ async def serve(
         names = list(service.grpc_service_names)
         if settings.grpc_reflection:
             reflection.enable_server_reflection(
-                [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+                [*names, HEALTH_SERVICE, reflection.SERVICE_NAME],
                 server,
             )
         await server.start()
@@ -275,15 +318,21 @@ async def serve(
         )
         if metrics_port is not None:
             log.info("serving metrics", port=metrics_port, path="/metrics")
-        await service.on_serving(port)
+        if service.registration is not None:
+            await service.registration.start(port)
         await stop_event.wait()
         log.info("shutting down", service=service.name, grace_seconds=settings.shutdown_grace)
+        shutdown_deadline = loop.time() + settings.shutdown_grace
         serving = False
         load.serviceable = False
         await health.enter_graceful_shutdown()
-        await service.on_shutdown()
+        if service.registration is not None:
+            # Deregistered before the port closes, so that nobody is sent to a closed port. A
+            # directory that is gone gets half the grace at most: in-flight calls have the rest.
+            await service.registration.stop(timeout_s=settings.shutdown_grace / 2)
     finally:
-        await server.stop(settings.shutdown_grace)
+        grace = settings.shutdown_grace if shutdown_deadline is None else shutdown_deadline - loop.time()
+        await server.stop(max(grace, 0.0))
         if health_server is not None:
             await health_server.stop(None)
         await service.stop()  # while the dependencies are still watched: pending writes may need them
@@ -305,5 +354,10 @@ def run_service_main(service_class: type[Service[Any]], argv: Sequence[str] | No
     )
     settings = service_class.settings_type.from_values(values)
     configure_logging(settings.log_level, settings.log_format, settings.log_file)
-    asyncio.run(serve(service_class(settings)))
+    try:
+        service = service_class(settings)
+    except StartupError as error:
+        log.error("cannot start", service=service_class.name, error=str(error))
+        return 1
+    asyncio.run(serve(service))
     return 0

@@ -112,7 +112,8 @@ def server_options(env_prefix: str, default_port: int) -> list[Option]:
         ),
         Option(
             "shutdown_grace",
-            "seconds given to in-flight calls on shutdown",
+            "seconds given on shutdown to deregistering from a directory (half at most), then to "
+            "in-flight calls; what was received is written after",
             5.0,
             f"{env_prefix}_SHUTDOWN_GRACE",
             positive_float,

@@ -5,7 +5,8 @@ Commands:
 * `list_trials` (alias `list`): a page of stored trials, in creation order: `--count` (default 10),
   `--properties name=value,...` (trials having them all), `--from HANDLE` (where a previous page
   ended: the caption of the table gives the next handle).
-* `delete_trials ID...` (alias `delete`): delete trials; unknown ids are not an error.
+* `delete_trials ID...` (alias `delete`): delete trials, saying how many were stored and which ids
+  were not (not an error).
 * `export ID... [--file PATH]`: write the samples of trials to a trial export file (format in
   `services.datastore.trial_file`); standard output without `--file` or with `--file -`. Trials
   without samples are left out; ongoing trials are cut at the samples they had when the export
@@ -237,14 +238,22 @@ async def run_list_trials(context: DatastoreContext) -> None:
 
 
 async def run_delete_trials(context: DatastoreContext) -> None:
-    trial_ids: list[str] = context.values["trial_ids"]
-    await context.client.stub.DeleteTrials(
-        trial_datastore_pb2.DeleteTrialsRequest(trial_ids=trial_ids), timeout=context.client.timeout_s
+    client = context.client
+    trial_ids = list(dict.fromkeys(context.values["trial_ids"]))
+    # DeleteTrials does not say which ids it found: ask first, so that the count is of trials
+    # deleted (the reference counted every id given).
+    stored = await client.trial_infos(trial_ids)
+    await client.stub.DeleteTrials(
+        trial_datastore_pb2.DeleteTrialsRequest(trial_ids=trial_ids), timeout=client.timeout_s
     )
-    # As the reference: the count includes ids that were not stored.
-    message = f"{len(trial_ids)} trials no longer stored"
+    deleted = [trial_id for trial_id in trial_ids if trial_id in stored]
+    missing = [trial_id for trial_id in trial_ids if trial_id not in stored]
+    message = f"{len(deleted)} {'trial' if len(deleted) == 1 else 'trials'} deleted"
+    if missing:
+        message += f"; not stored: {id_list(missing)}"
     if context.json:
-        print(json.dumps({"message": message, "trial_ids": trial_ids}), file=context.out)
+        reply = {"message": message, "trial_ids": trial_ids, "deleted": deleted, "not_stored": missing}
+        print(json.dumps(reply), file=context.out)
     else:
         print(message, file=context.out)
 

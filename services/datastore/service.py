@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
@@ -22,7 +21,7 @@ from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2
 from shared.config import Option, positive_float, positive_int
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
-from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
+from shared.registration import RegistrationSettings, registration_options
 from shared.runtime import ServiceRuntime
 from shared.server import Service
 from shared.settings import ServerSettings, server_options
@@ -94,13 +93,8 @@ class DatastoreService(Service[DatastoreSettings]):
             self.dependencies,
             read_batch_bytes=settings.read_batch_bytes,
         )
-        self.registration = DirectoryRegistration.from_settings(
-            settings,
-            [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE],
-            bind_address=settings.bind_address,
-            ssl=bool(settings.tls_cert),
-            # What a process that died left registered is deregistered by the next one.
-            state_file=Path(settings.data_dir) / "datastore-directory-registration.json",
+        self.registration = self.directory_registration(
+            [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE]
         )
 
     @property
@@ -120,12 +114,6 @@ class DatastoreService(Service[DatastoreSettings]):
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         add_datastore_servicers(server, runtime, self.datastore)
-
-    async def on_serving(self, port: int) -> None:
-        await self.registration.start(port)
-
-    async def on_shutdown(self) -> None:
-        await self.registration.stop()
 
     async def stop(self) -> None:
         await self.leases.stop()

@@ -4,7 +4,8 @@ Model Registry (`ModelRegistrySP`).
 Commands:
 * `list_models` (alias `models`): every model, with its user data.
 * `list_versions MODEL_ID` (alias `versions`): every version of a model: number, archived, size,
-  hash, creation time, user data.
+  SHA-256 (in hex, as `sha256sum` prints it, and in base64, as the API carries it; JSON output:
+  `data_hash` and `data_hash_hex`), creation time, user data.
 * `upload MODEL_ID FILE`: create a version of a model from a file (`--archived` / `--no-archived`,
   default archived; `--user_data name=value,...`; `--create_model` creates the model first when it
   does not exist). The data goes in 2 MiB chunks after a header carrying its size and SHA-256.
@@ -224,8 +225,22 @@ def iso_time(timestamp_ns: int) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
+def hash_hex(data_hash: str) -> str:
+    """A version's hash, base64 as the API carries it, in hex as `sha256sum` prints it (the
+    base64 text itself when it is not that of a SHA-256)."""
+    try:
+        digest = base64.b64decode(data_hash, validate=True)
+    except ValueError:
+        return data_hash
+    return digest.hex() if len(digest) == hashlib.sha256().digest_size else data_hash
+
+
 def version_json(info: model_registry_pb2.ModelVersionInfo) -> dict[str, Any]:
-    return {**to_json(info), "creation_time": iso_time(info.creation_timestamp)}
+    return {
+        **to_json(info),
+        "data_hash_hex": hash_hex(info.data_hash),
+        "creation_time": iso_time(info.creation_timestamp),
+    }
 
 
 def print_user_data(user_data: Mapping[str, str], out: TextIO) -> None:
@@ -235,10 +250,8 @@ def print_user_data(user_data: Mapping[str, str], out: TextIO) -> None:
 
 def print_version(info: model_registry_pb2.ModelVersionInfo, out: TextIO) -> None:
     print(f"Version [{info.version_number}]", file=out)
-    print(
-        f"\tArchived [{str(info.archived).lower()}] Size [{info.data_size}] Hash [{info.data_hash}]",
-        file=out,
-    )
+    print(f"\tArchived [{str(info.archived).lower()}] Size [{info.data_size}]", file=out)
+    print(f"\tSHA-256 hex [{hash_hex(info.data_hash)}] base64 [{info.data_hash}]", file=out)
     print(f"\tCreated [{iso_time(info.creation_timestamp)}]", file=out)
     print_user_data(info.user_data, out)
 
@@ -473,11 +486,10 @@ async def receive_version(
         raise ClientError(
             f"received {received} bytes of {what} instead of {info.data_size}; download discarded"
         )
-    received_hash = base64.b64encode(digest.digest()).decode("ascii")
-    if received_hash != info.data_hash:
+    if base64.b64encode(digest.digest()).decode("ascii") != info.data_hash:
         raise ClientError(
-            f"the data of {what} does not match its hash: expected [{info.data_hash}], "
-            f"received [{received_hash}]; download discarded"
+            f"the data of {what} does not match its SHA-256: expected hex [{hash_hex(info.data_hash)}], "
+            f"received hex [{digest.hexdigest()}]; download discarded"
         )
 
 

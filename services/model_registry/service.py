@@ -16,11 +16,12 @@ from services.model_registry.store import RegistryStore
 from shared.api import directory_pb2, model_registry_pb2
 from shared.config import Option, non_negative_int, parse_bool
 from shared.dependencies import Dependency
+from shared.errors import StartupError
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
-from shared.registration import DirectoryRegistration, RegistrationSettings, registration_options
+from shared.registration import RegistrationSettings, registration_options
 from shared.runtime import ServiceRuntime
-from shared.server import Service, StartupError
+from shared.server import Service
 from shared.settings import ServerSettings, server_options
 
 DEFAULT_PORT = 9002
@@ -53,8 +54,10 @@ OPTIONS: list[Option] = [
     Option("s3_bucket", "bucket of the version data (created if missing)", "cogment-model-registry",
            f"{ENV_PREFIX}_S3_BUCKET"),
     Option("s3_prefix", "prefix of the registry's object keys in the bucket", "", f"{ENV_PREFIX}_S3_PREFIX"),
-    Option("s3_access_key", "S3 access key", None, f"{ENV_PREFIX}_S3_ACCESS_KEY"),
-    Option("s3_secret_key", "S3 secret key", None, f"{ENV_PREFIX}_S3_SECRET_KEY"),
+    Option("s3_access_key", "S3 access key; unset (with the secret key): the credentials AWS's SDKs find, "
+           "from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, the shared credentials file, or the role of "
+           "the pod or instance", None, f"{ENV_PREFIX}_S3_ACCESS_KEY"),
+    Option("s3_secret_key", "S3 secret key (with --s3_access_key)", None, f"{ENV_PREFIX}_S3_SECRET_KEY"),
     Option("s3_region", "S3 region", None, f"{ENV_PREFIX}_S3_REGION"),
     Option("s3_secure", "reach the S3 server over TLS", True, f"{ENV_PREFIX}_S3_SECURE", parse_bool),
     *registration_options("MODEL_REGISTRY"),
@@ -105,7 +108,10 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
         super().__init__(settings)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = RegistryStore(self.database, self.feed)
-        self.blobs = blob_store(settings)
+        try:
+            self.blobs = blob_store(settings)
+        except BlobStoreError as error:  # keys half given, an endpoint that is not one
+            raise StartupError(str(error)) from None
         self.registry = ModelRegistry(
             self.store,
             self.blobs,
@@ -115,14 +121,7 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
             dependencies=self.dependencies,
         )
         self.dependencies.add(Dependency("blob store", self.blobs.probe))
-        self.registration = DirectoryRegistration.from_settings(
-            settings,
-            [directory_pb2.MODEL_REGISTRY_SERVICE],
-            bind_address=settings.bind_address,
-            ssl=bool(settings.tls_cert),
-            # What a process that died left registered is deregistered by the next one.
-            state_file=Path(settings.data_dir) / "model_registry-directory-registration.json",
-        )
+        self.registration = self.directory_registration([directory_pb2.MODEL_REGISTRY_SERVICE])
 
     @property
     def grpc_service_names(self) -> Sequence[str]:
@@ -140,12 +139,6 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         add_model_registry_servicer(server, ModelRegistryServicer(self.registry, runtime))
-
-    async def on_serving(self, port: int) -> None:
-        await self.registration.start(port)
-
-    async def on_shutdown(self) -> None:
-        await self.registration.stop()
 
     async def stop(self) -> None:
         await self.registry.stop()

@@ -307,12 +307,19 @@ async def test_unreachable_datastore() -> None:
 # ---- delete_trials ----
 
 
-async def test_delete_counts_every_id(datastore: RunningDatastore) -> None:
+async def test_delete_counts_the_trials_it_deleted(datastore: RunningDatastore) -> None:
     await three_trials(datastore)
-    assert await ok(datastore, "delete_trials", "t0", "empty", "unknown") == "3 trials no longer stored\n"
+    deleted = await ok(datastore, "delete_trials", "t0", "empty", "unknown", "t0")
+    assert deleted == "2 trials deleted; not stored: [unknown]\n"
     assert list(await infos(datastore)) == ["t1"]
-    reply = json.loads(await ok(datastore, "delete", "t1", "--console_output", "json"))
-    assert reply == {"message": "1 trials no longer stored", "trial_ids": ["t1"]}
+    reply = json.loads(await ok(datastore, "delete", "t1", "nosuch", "--console_output", "json"))
+    assert reply == {
+        "message": "1 trial deleted; not stored: [nosuch]",
+        "trial_ids": ["t1", "nosuch"],  # the ids given, as before
+        "deleted": ["t1"],
+        "not_stored": ["nosuch"],
+    }
+    assert await ok(datastore, "delete", "t1") == "0 trials deleted; not stored: [t1]\n"
     assert await infos(datastore) == {}
 
 

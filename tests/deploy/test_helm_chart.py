@@ -26,6 +26,7 @@ from shared.migrate import OPTIONS as MIGRATE_OPTIONS
 from tests.helpers.helm import (
     CHART_DIR,
     DOCKERFILE,
+    POSTGRESQL_S3_VALUES,
     PROJECT_ROOT,
     SCALE_OUT_VALUES,
     Manifest,
@@ -91,7 +92,9 @@ def containers(manifests: list[Manifest]) -> Iterator[tuple[Manifest, dict[str, 
 # ---- helm lint, kubernetes schemas ----
 
 
-@pytest.mark.parametrize("values", [[], [SCALE_OUT_VALUES]], ids=["default", "scale-out"])
+@pytest.mark.parametrize(
+    "values", [[], [SCALE_OUT_VALUES], [POSTGRESQL_S3_VALUES]], ids=["default", "scale-out", "postgresql-s3"]
+)
 def test_helm_lint_strict(values: list[Path]) -> None:
     args = ["lint", "--strict", str(CHART_DIR)] + [f"--values={path}" for path in values]
     result = helm(*args, check=False)
@@ -99,7 +102,9 @@ def test_helm_lint_strict(values: list[Path]) -> None:
     assert "0 chart(s) failed" in result.stdout
 
 
-@pytest.mark.parametrize("values", [[], [SCALE_OUT_VALUES]], ids=["default", "scale-out"])
+@pytest.mark.parametrize(
+    "values", [[], [SCALE_OUT_VALUES], [POSTGRESQL_S3_VALUES]], ids=["default", "scale-out", "postgresql-s3"]
+)
 def test_rendered_manifests_pass_kubernetes_validate_strict(values: list[Path], tmp_path: Path) -> None:
     rendered = tmp_path / "rendered.yaml"
     rendered.write_text(render_text(values))
@@ -513,6 +518,65 @@ def test_scale_out_values(scale_out_manifests: list[Manifest]) -> None:
     assert (
         directory["COGMENT_DIRECTORY_SECRET_KEY"]["valueFrom"]["secretKeyRef"]["name"]
         == "cogment-aux-directory"
+    )
+
+
+def test_postgresql_s3_values_need_two_secrets_and_nothing_else() -> None:
+    """The minimal install on the user's PostgreSQL and S3: no TLS, no operator resources."""
+    manifests = render([POSTGRESQL_S3_VALUES])
+    kinds = {manifest["kind"] for manifest in manifests}
+    assert not kinds & {"ServiceMonitor", "NetworkPolicy", "Certificate"}
+    deployments = by_component(manifests, "Deployment")
+    referenced = set()
+    for _workload, spec, container in containers(manifests):
+        assert not any("tls" in volume["name"] for volume in spec.get("volumes", []))
+        for variable in container.get("env", []):
+            if reference := variable.get("valueFrom", {}).get("secretKeyRef"):
+                referenced.add(reference["name"])
+    # The directory's key is in a Secret the chart generates itself.
+    assert referenced == {"cogment-aux-database", "cogment-aux-s3", "cogment-cogment-aux-directory-key"}
+    assert {name: deployment["spec"]["replicas"] for name, deployment in deployments.items()} == {
+        "directory": 2,
+        "model-registry": 2,
+        "datastore": 2,
+    }
+    registry = env_of(pod_spec(deployments["model-registry"])["containers"][0])
+    assert registry["COGMENT_MODEL_REGISTRY_S3_REGION"]["value"] == "eu-west-1"
+
+
+def test_s3_credentials_from_the_pod_role_when_no_secret_is_named() -> None:
+    manifests = render(
+        [POSTGRESQL_S3_VALUES],
+        set_values={"modelRegistry.storage.s3.existingSecret": "", "serviceAccountName": "cogment-s3-role"},
+    )
+    spec = pod_spec(by_component(manifests, "Deployment")["model-registry"])
+    registry = env_of(spec["containers"][0])
+    assert "COGMENT_MODEL_REGISTRY_S3_ENDPOINT" in registry
+    assert "COGMENT_MODEL_REGISTRY_S3_ACCESS_KEY" not in registry
+    assert "COGMENT_MODEL_REGISTRY_S3_SECRET_KEY" not in registry
+    assert spec["serviceAccountName"] == "cogment-s3-role"
+
+
+@pytest.mark.parametrize(
+    ("values_files", "set_values", "expected"),
+    [
+        ([], {}, "false"),
+        ([], {"datastore.replicaCount": "2", "database.type": "postgresql",
+              "database.postgresql.existingSecret": "db"}, "true"),
+        ([POSTGRESQL_S3_VALUES], {}, "true"),
+        ([POSTGRESQL_S3_VALUES], {"directory.loadBalancing": "false"}, "false"),
+        ([], {"directory.loadBalancing": "true"}, "true"),
+    ],
+    ids=["one-replica-each", "two-datastores", "example", "forced-off", "forced-on"],
+)  # fmt: skip
+def test_the_directory_balances_the_load_when_a_service_has_replicas(
+    values_files: list[Path], set_values: dict[str, str], expected: str
+) -> None:
+    """The orchestrator takes the first endpoint it is given: without load balancing every trial
+    would go to the same datastore replica."""
+    directory = by_component(render(values_files, set_values=set_values), "Deployment")["directory"]
+    assert (
+        env_of(pod_spec(directory)["containers"][0])["COGMENT_DIRECTORY_LOAD_BALANCING"]["value"] == expected
     )
 
 

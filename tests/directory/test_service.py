@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -440,8 +441,9 @@ async def test_discovery_token_property_is_the_token_not_a_property(directory: R
 async def test_an_unexpected_error_is_internal_and_the_server_keeps_serving(
     directory: RunningDirectory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def broken(*_args: object) -> None:
+    async def broken(*_args: object) -> AsyncIterator[list[object]]:
         raise RuntimeError("a detail for the logs only")
+        yield []  # an async generator, as `find` is: the error comes from iterating it
 
     monkeypatch.setattr(directory.service.store, "find", broken)
     with pytest.raises(grpc.aio.AioRpcError) as error:

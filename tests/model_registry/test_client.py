@@ -5,6 +5,7 @@ served over real gRPC from a background thread."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -278,7 +279,8 @@ def test_upload_download_round_trip(registry: Registry, tmp_path: Path) -> None:
 
     out = ok(registry, "upload", model, str(source), "--create_model", "--user_data", "a=1, b = 2")
     assert out.splitlines()[0] == f"Created version [1] of model [{model}]"
-    assert f"Hash [{sha256_b64(data)}]" in out and f"Size [{len(data)}]" in out
+    assert f"SHA-256 hex [{hashlib.sha256(data).hexdigest()}] base64 [{sha256_b64(data)}]" in out
+    assert f"Size [{len(data)}]" in out
     assert "Archived [true]" in out
     assert "\t[a] = [1]" in out and "\t[b] = [2]" in out
     assert [request.model_ids for request in registry.calls("RetrieveModels")] == [[model]]
@@ -342,7 +344,7 @@ def test_corrupted_download_leaves_no_file(registry: Registry, tmp_path: Path, c
     registry.fake.corrupt[(model, 1)] = corruption
     target = tmp_path / "model.bin"
     message = fails(registry, "download", model, str(target))
-    expected = "does not match its hash" if corruption == "flip" else "instead of"
+    expected = "does not match its SHA-256: expected hex [" if corruption == "flip" else "instead of"
     assert message.startswith("Error: ") and expected in message, message
     assert "download discarded" in message
     assert list(tmp_path.iterdir()) == []
@@ -398,15 +400,25 @@ def test_list_versions(registry: Registry) -> None:
 
     lines = ok(registry, "versions", model).splitlines()
     assert lines[0] == f"[2] Versions of model [{model}] found"
-    assert lines[1:3] == ["Version [1]", f"\tArchived [true] Size [5] Hash [{sha256_b64(b'first')}]"]
-    assert lines[3].startswith("\tCreated [20") and lines[3].endswith("Z]")
-    assert lines[4:6] == ["\t[step] = [10]", "Version [2]"]
-    assert lines[6] == f"\tArchived [false] Size [6] Hash [{sha256_b64(b'second')}]"
+    assert lines[1:4] == [
+        "Version [1]",
+        "\tArchived [true] Size [5]",
+        f"\tSHA-256 hex [{hashlib.sha256(b'first').hexdigest()}] base64 [{sha256_b64(b'first')}]",
+    ]
+    assert lines[4].startswith("\tCreated [20") and lines[4].endswith("Z]")
+    assert lines[5:7] == ["\t[step] = [10]", "Version [2]"]
+    assert lines[7:9] == [
+        "\tArchived [false] Size [6]",
+        f"\tSHA-256 hex [{hashlib.sha256(b'second').hexdigest()}] base64 [{sha256_b64(b'second')}]",
+    ]
 
     listed = json.loads(ok(registry, "list_versions", model, "--console_output", "json"))["versions"]
     assert [(v["version_number"], v["archived"], v["user_data"]) for v in listed] == [
         (1, True, {"step": "10"}),
         (2, False, {}),
+    ]
+    assert [v["data_hash_hex"] for v in listed] == [
+        hashlib.sha256(d).hexdigest() for d in (b"first", b"second")
     ]
     assert listed[0]["creation_time"].endswith("Z") and listed[0]["data_size"] == "5"
 

@@ -36,6 +36,7 @@ from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.directory.service import DirectoryService
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
 from shared.config import parse_options
+from shared.logging import LEVELS
 from shared.version import COGMENT_API_VERSION
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import run_in_process
@@ -205,21 +206,19 @@ async def test_health_port_answers_in_plaintext_beside_a_tls_port(tmp_path: Path
         for name in ("", DIRECTORY_SP):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
-        # Nothing else is served there.
+        # Nothing else is served there, but reflection of the health service (for grpcurl).
         version = directory_pb2_grpc.DirectorySPStub(channel).Version(common_pb2.VersionRequest(), timeout=5)
         assert await aio_code(version) == grpc.StatusCode.UNIMPLEMENTED
+        listed = await _reflect(channel, reflection_pb2.ServerReflectionRequest(list_services=""))
+        names = {service.name for service in listed.list_services_response.service}
+        assert names == {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 
+        def health_methods() -> set[str]:
+            with grpc.insecure_channel(f"127.0.0.1:{health_port}") as sync_channel:
+                pool = DescriptorPool(ProtoReflectionDescriptorDatabase(sync_channel))
+                return {method.name for method in pool.FindServiceByName("grpc.health.v1.Health").methods}
 
-def test_taken_health_port_exits_before_serving(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        health_port = taken.getsockname()[1]
-        args = ["--port", "0", "--bind_address", "127.0.0.1", "--log_format", "json"]
-        result = run_to_exit([*args, "--health_port", str(health_port), *database_flags(tmp_path)])
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr and '"serving"' not in result.stderr
-    assert "--health_port" in result.stderr
+        assert {"Check", "Watch"} <= await asyncio.to_thread(health_methods)
 
 
 def test_cancelled_streams_logged_at_debug_level_do_not_crash_the_server() -> None:
@@ -694,6 +693,63 @@ def test_log_level_and_format_from_environment_variables(tmp_path: Path, log_for
         assert re.search(r"\[info\s*\]\s+stopped", text)
 
 
+@pytest.mark.parametrize("level", list(LEVELS))
+def test_every_documented_log_level_serves_and_filters(tmp_path: Path, level: str) -> None:
+    """Each level the options (and the chart's schema) allow starts the service, which logs what
+    that level lets through and nothing below it (trace and off crashed at start-up once)."""
+    port = free_port()
+    stderr_path = tmp_path / "stderr.log"
+    args = ["--port", str(port), "--bind_address", "127.0.0.1", *database_flags(tmp_path)]
+    process = launch([*args, "--log_level", level, "--log_format", "json"], {}, stderr_path)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            wait_for(
+                lambda: process.poll() is not None or succeeds(lambda: version(channel, 1)), "serving", 30
+            )
+            stub = directory_pb2_grpc.DirectorySPStub(channel)
+            assert rpc_error_code(lambda: list(stub.Inquire(EMPTY_INQUIRY, timeout=5))) == (
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
+    finally:
+        assert stop_process(process) == 0
+
+    lines = json_lines(stderr_path)
+    assert all(LEVELS[line["level"]] >= LEVELS[level] for line in lines), lines
+    events = {(line["level"], line["event"]) for line in lines}
+    if level == "off":
+        assert stderr_path.read_text() == ""
+    if LEVELS[level] <= LEVELS["debug"]:
+        assert ("debug", "rpc") in events
+    if LEVELS[level] <= LEVELS["info"]:
+        assert {("info", "serving"), ("info", "rpc failed"), ("info", "stopped")} <= events
+
+
+def test_chart_schema_allows_the_log_levels_the_services_accept() -> None:
+    schema = json.loads((PROJECT_ROOT / "deploy" / "helm" / "values.schema.json").read_text())
+    found: list[list[str]] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            if "level" in node.get("properties", {}):
+                found.append(node["properties"]["level"]["enum"])
+            for child in node.values():
+                visit(child)
+        elif isinstance(node, list):
+            for child in node:
+                visit(child)
+
+    visit(schema)
+    assert found and all(levels == list(LEVELS) for levels in found), found
+
+
+def succeeds(call: Callable[[], Any]) -> bool:
+    try:
+        call()
+    except grpc.RpcError:
+        return False
+    return True
+
+
 def test_log_file_receives_json_lines(tmp_path: Path) -> None:
     log_file = tmp_path / "directory.log"
     log_file.write_text('{"event": "written before"}\n')  # the log is appended to
@@ -788,21 +844,79 @@ async def test_version_over_the_wire(tmp_path: Path) -> None:
         assert versions["cogment-aux-directory"] == versions["cogment-aux"]
 
 
-def test_an_unreachable_database_at_start_is_one_line_and_exit_1() -> None:
-    result = run_to_exit(
-        ["--port", "0", "--database_url", "postgresql+psycopg://postgres@127.0.0.1:1/nowhere"]
-    )
+UNREACHABLE_DATABASE = "postgresql+psycopg://postgres:secret@127.0.0.1:1/nowhere"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--database_url", UNREACHABLE_DATABASE], "Connection refused"),
+        (["--database_url", "::secret@"], "the database URL cannot be read as"),
+        (["--database_url", "mysql://user:secret@127.0.0.1/x"], "unsupported database URL mysql://user:***@"),
+        (["--database_url", "sqlite:///x.db"], "The loaded 'pysqlite' is not async"),
+        (["--data_dir", "{file}/data"], "the directory of the database file: Not a directory"),
+        (["--port", "{busy}"], "(--port): Address already in use"),
+        (["--health_port", "{busy}"], "(--health_port): Address already in use"),
+        (["--bind_address", "192.0.2.1"], "192.0.2.1:0 (--port): Cannot assign requested address"),
+    ],
+    ids=[
+        "unreachable",
+        "not-a-url",
+        "other-database",
+        "sync-driver",
+        "data-dir",
+        "port",
+        "health",
+        "address",
+    ],
+)
+def test_what_prevents_start_up_is_said_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    """Exit status 1 and one line naming the problem: no traceback, no gRPC core line, no password."""
+    (tmp_path / "file").write_text("")
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        flags = [flag.format(file=tmp_path / "file", busy=busy.getsockname()[1]) for flag in flags]
+        args = [
+            "--port",
+            "0",
+            "--bind_address",
+            "127.0.0.1",
+            "--data_dir",
+            str(tmp_path),
+            "--log_level",
+            "warning",
+        ]
+        result = run_to_exit([*args, *flags])
     assert result.returncode == 1
-    assert "cannot start" in result.stderr and "Connection refused" in result.stderr
-    assert "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert "cannot start" in line and message in line
+    assert "secret" not in line
+
+
+def test_a_bracketed_ipv6_wildcard_binds(tmp_path: Path) -> None:
+    """What the port check asks the resolver must be what grpc accepts: `[::]` included."""
+    port = free_port()
+    process = launch(
+        ["--port", str(port), "--bind_address", "[::]", *database_flags(tmp_path)], {}, tmp_path / "e"
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            wait_for(
+                lambda: process.poll() is not None or succeeds(lambda: version(channel, 1)), "serving", 30
+            )
+            assert process.poll() is None, (tmp_path / "e").read_text()
+    finally:
+        assert stop_process(process) == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [(UNREACHABLE_DATABASE, "Connection refused"), ("mysql://user:secret@127.0.0.1/x", "unsupported")],
+)
+def test_migrate_says_what_prevents_it_in_one_line(url: str, message: str) -> None:
     migrate = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shared.migrate",
-            "--database_url",
-            "postgresql+psycopg://postgres@127.0.0.1:1/x",
-        ],
+        [sys.executable, "-m", "shared.migrate", "--database_url", url],
         cwd=PROJECT_ROOT,
         env=clean_environment(),
         capture_output=True,
@@ -810,7 +924,9 @@ def test_an_unreachable_database_at_start_is_one_line_and_exit_1() -> None:
         timeout=30,
     )
     assert migrate.returncode == 1
-    assert "cannot migrate" in migrate.stderr and "Traceback" not in migrate.stderr
+    [line] = migrate.stderr.splitlines()
+    assert "cannot migrate" in line and message in line
+    assert "secret" not in line
 
 
 @pytest.mark.skipif(not openssl_available(), reason="needs the openssl command to make certificates")

@@ -139,6 +139,27 @@ caKey: {{ $global.clientCA.key | quote }}
 {{- end -}}
 
 {{/*
+Whether the directory answers inquiries load balanced: directory.loadBalancing, or when null,
+whether a service registering in it runs several replicas. Without it every client (the
+orchestrator takes the first endpoint) would go to the same replica.
+*/}}
+{{- define "cogment-aux.loadBalancing" -}}
+{{- $forced := .Values.directory.loadBalancing -}}
+{{- if kindIs "bool" $forced -}}
+{{- $forced -}}
+{{- else -}}
+{{- $several := false -}}
+{{- range $key := list "modelRegistry" "datastore" -}}
+{{- $values := index $.Values $key -}}
+{{- if and $values.enabled (gt (int $values.replicaCount) 1) -}}
+{{- $several = true -}}
+{{- end -}}
+{{- end -}}
+{{- $several -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 How one registering component (modelRegistry, datastore) reaches the directory it registers in,
 as YAML: enabled (TLS), caSecret/caKey (the CA bundle the directory's certificate is checked
 against), client (present a client certificate), certSecret/certKey/keyKey (that certificate).
@@ -203,7 +224,7 @@ Checks of the values that a schema cannot express; each failure is one clear mes
 {{- fail (printf "%s.replicaCount=%d is refused with database.type=sqlite: the embedded SQLite database lives on one ReadWriteOnce volume and serves a single replica. To scale out, set database.type=postgresql and database.postgresql.existingSecret (see ci/scale-out-values.yaml)" $key $replicas) -}}
 {{- end -}}
 {{- if and (eq $key "modelRegistry") (gt $replicas 1) (eq $values.storage.type "local") -}}
-{{- fail (printf "modelRegistry.replicaCount=%d is refused with modelRegistry.storage.type=local: the version data lives on one ReadWriteOnce volume of one replica. To scale out, set modelRegistry.storage.type=s3 with modelRegistry.storage.s3.endpoint and existingSecret" $replicas) -}}
+{{- fail (printf "modelRegistry.replicaCount=%d is refused with modelRegistry.storage.type=local: the version data lives on one ReadWriteOnce volume of one replica. To scale out, set modelRegistry.storage.type=s3 with modelRegistry.storage.s3.endpoint" $replicas) -}}
 {{- end -}}
 {{- $tls := include "cogment-aux.tls" (dict "root" $root "key" $key) | fromYaml -}}
 {{- if and $tls.enabled (not $tls.secret) -}}
@@ -215,9 +236,6 @@ Checks of the values that a schema cannot express; each failure is one clear mes
 {{- if and .Values.modelRegistry.enabled (eq .Values.modelRegistry.storage.type "s3") -}}
 {{- if not $s3.endpoint -}}
 {{- fail "modelRegistry.storage.type=s3 needs modelRegistry.storage.s3.endpoint (host:port of the S3 server)" -}}
-{{- end -}}
-{{- if not $s3.existingSecret -}}
-{{- fail "modelRegistry.storage.type=s3 needs modelRegistry.storage.s3.existingSecret: a Secret holding the access key and the secret key" -}}
 {{- end -}}
 {{- end -}}
 {{- $probes := .Values.probes -}}

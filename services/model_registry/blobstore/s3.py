@@ -30,6 +30,8 @@ from services.model_registry.blobstore.base import (
 if TYPE_CHECKING:
     import urllib3
     from minio import Minio
+    from minio.credentials.credentials import Credentials
+    from minio.credentials.providers import Provider
 
 __all__ = ["DEFAULT_PART_SIZE", "DEFAULT_UPLOAD_CONCURRENCY", "MIN_PART_SIZE", "S3BlobStore"]
 
@@ -44,6 +46,69 @@ DEFAULT_UPLOAD_CONCURRENCY = 2
 _CREDENTIAL_ERRORS = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
 )
+
+
+NO_CREDENTIALS = (
+    "no S3 credentials: give --s3_access_key and --s3_secret_key, or set AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY, or an AWS shared credentials file, or give the pod or instance a role"
+)
+
+
+class _NoCredentials(OSError):
+    """No credentials where they are looked for. An OSError, as an unreachable server is: the
+    place they come from may come back (a token file mounted, a role attached)."""
+
+
+def _credentials_provider(
+    access_key: str | None, secret_key: str | None, session_token: str | None, http: urllib3.PoolManager
+) -> Provider:
+    """The keys when given; otherwise the first credentials found where AWS's SDKs look: the
+    AWS_* (or MINIO_*) environment variables, the shared credentials file, then the role of the
+    pod or instance (web identity token, ECS container credentials, EC2 instance metadata; not
+    the metadata when AWS_EC2_METADATA_DISABLED=true)."""
+    from minio.credentials.providers import (
+        AWSConfigProvider,
+        ChainedProvider,
+        EnvAWSProvider,
+        EnvMinioProvider,
+        IamAwsProvider,
+        Provider,
+        StaticProvider,
+    )
+
+    if access_key or secret_key:
+        if not (access_key and secret_key):
+            raise BlobStoreError("an S3 access key and secret key go together: give both, or neither")
+        return StaticProvider(access_key, secret_key, session_token)
+    providers: list[Provider] = [EnvAWSProvider(), EnvMinioProvider(), AWSConfigProvider()]
+    role_sources = (
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    )
+    metadata_disabled = os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true"
+    if not metadata_disabled or any(os.environ.get(name) for name in role_sources):
+        providers.append(IamAwsProvider(http_client=http))
+    chain = ChainedProvider(providers)
+    # The store's threads ask for credentials on every request: one fetches (or renews) them,
+    # the others wait and take the same.
+    lock = threading.Lock()
+
+    class FirstFound(Provider):
+        def retrieve(self) -> Credentials:
+            with lock:
+                try:
+                    return chain.retrieve()
+                except ValueError:  # found nowhere
+                    raise _NoCredentials(NO_CREDENTIALS) from None
+                except Exception as error:  # the role's endpoint did not answer
+                    # Its kind only: the request that failed may carry the pod's identity token.
+                    raise _NoCredentials(
+                        "could not get S3 credentials from the role of the pod or instance "
+                        f"({type(error).__name__})"
+                    ) from None
+
+    return FirstFound()
 
 
 class _S3Source:
@@ -252,24 +317,29 @@ class S3BlobStore(BlobStore):
         self.part_size = part_size
         self.upload_concurrency = upload_concurrency
         self._region = region
+        ca_certs = ca_file or os.environ.get("SSL_CERT_FILE") or certifi.where()
         # Our own pool: one connection per thread (minio's default keeps 10 and discards extras).
         self._http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
             maxsize=max_threads,
             cert_reqs="CERT_REQUIRED" if cert_check else "CERT_NONE",
-            ca_certs=ca_file or os.environ.get("SSL_CERT_FILE") or certifi.where(),
+            ca_certs=ca_certs,
             # Few retries: a wrong endpoint must fail start() in about a second, not minutes.
             retries=urllib3.Retry(total=3, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
         )
+        # The role's endpoints (instance metadata, STS) answer at once where they exist: outside
+        # a cloud, finding none must not hold start-up for minutes.
+        role_http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=1.0, read=5.0),
+            cert_reqs="CERT_REQUIRED" if cert_check else "CERT_NONE",
+            ca_certs=ca_certs,
+            retries=urllib3.Retry(total=1, backoff_factor=0.2),
+        )
+        credentials = _credentials_provider(access_key, secret_key, session_token, role_http)
+        self._keys_given = bool(access_key)
         try:
             self._client: Minio = Minio(
-                endpoint,
-                access_key=access_key,
-                secret_key=secret_key,
-                session_token=session_token,
-                secure=secure,
-                region=region,
-                http_client=self._http,
+                endpoint, credentials=credentials, secure=secure, region=region, http_client=self._http
             )
         except ValueError as error:
             raise BlobStoreError(f"invalid S3 endpoint {endpoint!r}: {error}") from error
@@ -282,16 +352,23 @@ class S3BlobStore(BlobStore):
         scheme = "https" if self.secure else "http"
         return f"S3 bucket {self.bucket!r} at {scheme}://{self.endpoint}"
 
+    @property
+    def credentials_source(self) -> str:
+        return "the keys given" if self._keys_given else "the environment or the role of the pod or instance"
+
     async def start(self) -> None:
         from minio.error import S3Error
 
         try:
             await self._run(self._ensure_bucket)
+        except _NoCredentials as error:
+            raise BlobStoreError(f"cannot use {self.description}: {error}") from error
         except S3Error as error:
             if error.code in _CREDENTIAL_ERRORS:
                 raise BlobStoreError(
-                    f"{self.description} refused the credentials ({_describe(error)}): "
-                    "check the access key, the secret key and their rights on the bucket"
+                    f"{self.description} refused the credentials from {self.credentials_source} "
+                    f"({_describe(error)}): check the access key, the secret key and their rights on "
+                    "the bucket"
                 ) from error
             raise BlobStoreError(f"cannot use {self.description}: {_describe(error)}") from error
         except ValueError as error:  # minio checks bucket names locally
