@@ -44,6 +44,16 @@ overstates the datastore, and the ratio of server CPU per sample (bare/datastore
 ratio would be if both servers used their CPU fully) is the better guide. The datastore's RSS is
 sampled during each phase, and its kernel high-water mark (VmHWM) read before it stops.
 
+`--paced` measures at the orchestrator's pace instead of flooding: `--trials` streams (8) at
+`--rate` samples per second in all (800), 500 ticks of 2 actors unless given, each stream writing
+one message per tick at its share of the rate, the streams' ticks spread evenly, acknowledgements
+read as they come. Per round and server (the datastore, then the bare receiver, alternating): the
+server CPU per sample (all its threads, and its event loop alone), and the p50, p99 and max time
+from a message's write to its acknowledgement. The ratio of server CPU per sample,
+datastore/bare, is the figure to watch (both servers keep up with the pace: the rates are equal).
+`--replicas N` runs N datastores on one PostgreSQL `--database_url`, the streams spread over them,
+and adds up their CPU.
+
 `--profile` runs the datastore under cProfile, every Python thread (the event loop, the SQLite
 writer and reader) profiled on its own CPU time, and prints where each spent it; the figures are
 then much slowed by the profiler and not comparable with an unprofiled run.
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import cProfile
 import io
@@ -535,7 +546,11 @@ def profiled_main(prefix: str, argv: list[str]) -> int:
 def profile_tables(workdir: Path, lines: int) -> list[str]:
     """The top functions of each profiled thread, by own time then by cumulative time."""
     tables: list[str] = []
-    for path in sorted(workdir.glob("profile-*.pstats"), key=lambda p: int(p.stem.split("-")[1])):
+
+    def order(path: Path) -> list[Any]:  # profile-[r<replica>-]<n>-<thread>, numbers in order
+        return [int(part) if part.isdigit() else part for part in path.stem.split("-")]
+
+    for path in sorted(workdir.glob("profile-*.pstats"), key=order):
         out = io.StringIO()
         stats = pstats.Stats(str(path), stream=out)
         total: float = getattr(stats, "total_tt", 0.0)  # not in the stubs
@@ -774,6 +789,238 @@ def print_summary(report: dict[str, Any]) -> None:
     print("", file=out)
 
 
+# ---- paced mode: the orchestrator's pace ----
+
+# Targets of the paced mode: datastore/bare server CPU per sample, and the p99 time from a
+# sample's write to its acknowledgement.
+PACED_CPU_RATIO_TARGET = 1.25
+PACED_P99_TARGET_MS = 50.0
+
+
+async def paced_ingest(
+    channels: Sequence[grpc.aio.Channel], ids: Sequence[str], streams: Sequence[list[bytes]], rate: float
+) -> list[float]:
+    """Every trial's datalog at once, as the orchestrator sends it: `rate` messages per second on
+    each stream (its ticks), the streams' ticks spread evenly in time, each stream on the channel
+    of its index (replicas), its acknowledgements read as they come. Returns each message's time
+    from its write to its acknowledgement, in seconds."""
+    latencies: list[float] = []
+    start = time.perf_counter() + 0.05
+
+    async def one(index: int, trial_id: str, frames: list[bytes]) -> None:
+        method = channels[index % len(channels)].stream_stream(RUN_TRIAL_DATALOG)
+        call = method(metadata=(("trial-id", trial_id), ("user-id", USER_ID)), timeout=CALL_TIMEOUT_S)
+        written: collections.deque[float] = collections.deque()
+
+        async def read_acknowledgements() -> int:
+            acks = 0
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                assert reply is not None
+                latencies.append(time.perf_counter() - written.popleft())
+                acks += 1
+            return acks
+
+        reading = asyncio.create_task(read_acknowledgements())
+        offset = start + index / (rate * len(streams))
+        try:
+            for tick, frame in enumerate(frames):
+                delay = offset + tick / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                written.append(time.perf_counter())
+                await call.write(frame)
+            await call.done_writing()
+            acks = await reading
+        except grpc.aio.AioRpcError as error:
+            raise rpc_failure(f"RunTrialDatalog of {trial_id}", error) from None
+        finally:
+            reading.cancel()
+        if acks != len(frames):
+            raise BenchError(
+                f"RunTrialDatalog of {trial_id}: {acks} acknowledgements for {len(frames)} messages"
+            )
+
+    await asyncio.gather(*(one(i, t, f) for i, (t, f) in enumerate(zip(ids, streams, strict=True))))
+    return latencies
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+class PacedSession:
+    """One server (or replicas sharing a database) and the figures of its paced rounds."""
+
+    def __init__(self, name: str, servers: Sequence[Child], workload: Workload, tag: str) -> None:
+        self.name = name
+        self.servers = list(servers)
+        self.workload = workload
+        self.tag = tag
+        self.rounds: list[dict[str, Any]] = []
+        self.channels = [grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS) for s in servers]
+
+    def _cpu(self) -> tuple[float | None, float | None]:
+        """CPU seconds of every server process, and of their event loops (main threads)."""
+        pids = [server.process.pid for server in self.servers]
+        total = [cpu_seconds(pid) for pid in pids]
+        loops = [cpu_seconds(pid, pid) for pid in pids]
+        return (
+            None if None in total else sum(t for t in total if t is not None),
+            None if None in loops else sum(t for t in loops if t is not None),
+        )
+
+    async def warm_up(self, stream: list[bytes], rate: float) -> None:
+        for channel in self.channels:
+            await asyncio.wait_for(channel.channel_ready(), READY_TIMEOUT_S)
+        ids = [f"bench-{self.tag}-{self.name[:4]}-warmup-{n}" for n in range(len(self.channels))]
+        await paced_ingest(self.channels, ids, [stream] * len(ids), rate)
+
+    async def round(self, round_: int, streams: Sequence[list[bytes]], rate: float) -> None:
+        print(f"  {self.name}: paced round {round_ + 1}...", file=sys.stderr)
+        ids = trial_ids(self.tag, self.name, round_, self.workload.trials)
+        cpu_before, loop_before = self._cpu()
+        started = time.perf_counter()
+        latencies = await paced_ingest(self.channels, ids, streams, rate)
+        seconds = time.perf_counter() - started
+        cpu_after, loop_after = self._cpu()
+        samples = len(latencies)
+
+        def per_sample(after: float | None, before: float | None) -> float | None:
+            return None if after is None or before is None else round((after - before) * 1e6 / samples, 1)
+
+        self.rounds.append(
+            {
+                "samples": samples,
+                "samples_per_s": round(samples / seconds, 1),
+                "server_cpu_us_per_sample": per_sample(cpu_after, cpu_before),
+                "loop_cpu_us_per_sample": per_sample(loop_after, loop_before),
+                "ack_p50_ms": round(percentile(latencies, 0.5) * 1000, 2),
+                "ack_p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
+                "ack_max_ms": round(max(latencies) * 1000, 2),
+            }
+        )
+
+    def figures(self) -> dict[str, Any]:
+        return median_phase(self.rounds)
+
+
+async def measure_paced(
+    args: argparse.Namespace,
+    plan: Plan,
+    datastores: list[Child],
+    workload: Workload,
+    streams: list[list[bytes]],
+    warmup: list[bytes],
+) -> list[PacedSession]:
+    tag = secrets.token_hex(3)
+    rate = args.rate / args.trials  # ticks per second of each stream
+    sessions = [PacedSession("datastore", datastores, workload, tag)]
+    try:
+        if not args.skip_bare:
+            capture_path = plan.workdir / "capture.bin"
+            write_capture(capture_path, [])  # nothing to replay: the bare server only receives
+            command = [sys.executable, str(SCRIPT), "_bare", str(capture_path)]
+            bare = await asyncio.to_thread(start_server, plan, "bare", command)
+            sessions.append(PacedSession("bare", [bare], workload, tag))
+        for session in sessions:
+            await session.warm_up(warmup, rate)
+        for round_ in range(args.rounds):
+            for session in sessions if round_ % 2 == 0 else reversed(sessions):
+                await session.round(round_, streams, rate)
+    finally:
+        await asyncio.gather(*(c.close() for session in sessions for c in session.channels))
+    return sessions
+
+
+def run_paced(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    plan = pinned_plan(args, workdir, "", not args.no_pin)
+    database_url = args.database_url or f"sqlite+aiosqlite:///{workdir / 'bench.db'}"
+    if args.replicas > 1 and not database_url.startswith("postgresql"):
+        raise BenchError("--replicas above 1 needs a PostgreSQL --database_url (replicas share it)")
+    workload = Workload(args.trials, args.ticks, args.actors, args.observation_bytes, args.action_bytes)
+    rng = random.Random(args.seed)
+    streams = [datalog_stream(workload, workload.ticks, rng) for _ in range(workload.trials)]
+    warmup = datalog_stream(workload, args.warmup_ticks, rng)
+    datastores = []
+    for replica in range(args.replicas):
+        datastore_args = [
+            "--port", "0", "--bind_address", "127.0.0.1", "--log_format", "json",
+            "--data_dir", str(workdir / f"data-{replica}"), "--database_url", database_url,
+            *(["--log_level", args.server_log_level] if args.server_log_level else []), *args.server_arg,
+        ]  # fmt: skip
+        if args.profile:
+            prefix = str(workdir / f"profile-r{replica}")
+            command = [sys.executable, str(SCRIPT), "_profile", prefix, *datastore_args]
+        else:
+            command = [sys.executable, "-m", "services.datastore", *datastore_args]
+        datastores.append(start_server(plan, f"datastore-{replica}", command))
+    print(f"{args.replicas} datastore(s) serving ({database_url.split(':', 1)[0]})...", file=sys.stderr)
+    sessions = asyncio.run(measure_paced(args, plan, datastores, workload, streams, warmup))
+    report: dict[str, Any] = {
+        "bench": "datastore-paced",
+        "database": database_url.split(":", 1)[0],
+        "cpus": f"servers on CPU {sorted(plan.server_cpus)}" if plan.server_cpus else "not pinned",
+        "args": vars(args),
+        "datalog_message_bytes": round(statistics.mean(len(frame) for frame in streams[0][1:]), 1),
+        "sessions": {session.name: session.figures() for session in sessions},
+        "server_problems": sum(len(server.problems) for server in datastores),
+    }
+    if len(sessions) > 1:
+        d_cpu = report["sessions"]["datastore"]["server_cpu_us_per_sample"]
+        b_cpu = report["sessions"]["bare"]["server_cpu_us_per_sample"]
+        report["cpu_ratio"] = round(d_cpu / b_cpu, 3) if d_cpu and b_cpu else None
+    for session in reversed(sessions):
+        for server in session.servers:
+            server.stop()
+    if args.profile:
+        report["profile"] = profile_tables(workdir, args.profile_lines)
+    return report
+
+
+def print_paced_summary(report: dict[str, Any]) -> None:
+    args = report["args"]
+    print("", file=sys.stdout)
+    print(
+        f"Trial Datastore at the orchestrator's pace ({report['database']}, {args['replicas']} replica(s), "
+        f"{report['cpus']}): {args['trials']} streams at {args['rate']:g} samples/s in all, "
+        f"{args['ticks']} ticks each, {args['actors']} actors, {report['datalog_message_bytes']:g} bytes "
+        f"per message; {args['rounds']} round(s), median shown",
+        file=sys.stdout,
+    )
+    rows = [
+        ("server", "samples/s", "srv us/sample", "loop us/sample", "ack p50 ms", "ack p99 ms", "ack max ms")
+    ]
+    for name, figures in report["sessions"].items():
+        rows.append(
+            (
+                name,
+                fmt(figures["samples_per_s"]),
+                fmt(figures["server_cpu_us_per_sample"]),
+                fmt(figures["loop_cpu_us_per_sample"]),
+                fmt(figures["ack_p50_ms"]),
+                fmt(figures["ack_p99_ms"]),
+                fmt(figures["ack_max_ms"]),
+            )
+        )
+    print_table(rows, 1, sys.stdout)
+    datastore = report["sessions"]["datastore"]
+    if report.get("cpu_ratio") is not None:
+        verdict = "met" if report["cpu_ratio"] <= PACED_CPU_RATIO_TARGET else "missed"
+        print(
+            f"server CPU per sample datastore/bare {report['cpu_ratio']}: target <= "
+            f"{PACED_CPU_RATIO_TARGET}: {verdict}",
+            file=sys.stdout,
+        )
+    verdict = "met" if datastore["ack_p99_ms"] < PACED_P99_TARGET_MS else "missed"
+    print(f"datastore ack p99 {datastore['ack_p99_ms']} ms: target < {PACED_P99_TARGET_MS:g}: {verdict}")
+    if report["server_problems"]:
+        print(f"datastore warnings/errors logged: {report['server_problems']}", file=sys.stdout)
+    for table in report.pop("profile", []):  # long: printed here, left out of the JSON line
+        print(table, file=sys.stdout)
+    print("", file=sys.stdout)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bench/datastore.py",
@@ -810,7 +1057,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--profile_lines", type=int, default=25, help="functions shown per profile table")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, database)")
+    paced = parser.add_argument_group(
+        "paced mode", "the orchestrator's pace: one message per tick on each stream, at a total rate"
+    )
+    paced.add_argument(
+        "--paced",
+        action="store_true",
+        help="paced ingestion instead of the flood (defaults then: 8 trials x 500 ticks, 2 actors)",
+    )
+    paced.add_argument("--rate", type=float, default=800.0, help="samples per second, all streams together")
+    paced.add_argument(
+        "--replicas", type=int, default=1, help="datastores sharing the (PostgreSQL) database, streams spread"
+    )
     args = parser.parse_args(argv)
+    if args.paced:  # the shape of the orchestrator's trials, unless given
+        given = set(argv or [])
+        for flag, value in (("ticks", 500), ("actors", 2)):
+            if not any(arg.split("=", 1)[0] == f"--{flag}" for arg in given):
+                setattr(args, flag, value)
+    if args.rate <= 0 or args.replicas < 1:
+        parser.error("--rate and --replicas must be positive")
     if min(args.trials, args.ticks, args.actors, args.rounds, args.warmup_ticks, args.profile_lines) < 1:
         parser.error("counts must be positive")
     if args.observation_bytes < 0 or args.action_bytes < 0:
@@ -825,7 +1091,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(bare_main(argv[1]))
     if argv[:1] == ["_profile"]:
         return profiled_main(argv[1], argv[2:])
-    return run_benchmark(parse_args(argv), "datastore", run, print_summary)
+    args = parse_args(argv)
+    if args.paced:
+        return run_benchmark(args, "datastore-paced", run_paced, print_paced_summary)
+    return run_benchmark(args, "datastore", run, print_summary)
 
 
 if __name__ == "__main__":
