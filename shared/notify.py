@@ -5,21 +5,24 @@ inside its transaction and `wake()` once it has committed. Waiters `watch()` key
 the tables when woken: a notification only says "look again", the rows stay the truth. An idle
 waiter costs nothing: it is woken by a change of one of its keys, never by a timer.
 
-On PostgreSQL `notify()` is a `pg_notify` (delivered to every replica at commit, never for a
-rolled-back transaction) and one connection per process LISTENs on the channel, so streams
-follow writes made through other replicas. That connection is checked every few seconds, and
-re-established after a failure; since notifications sent meanwhile are lost, every waiter is woken
-once it listens again. SQLite has no notifications between processes: the local wake-up serves
-this process, and one task per process watches the file for commits of other processes sharing
-it (`Database.foreign_commits`), waking every waiter when there was one.
+On PostgreSQL `notify()` is a `pg_notify` (delivered to every listening replica at commit,
+never for a rolled-back transaction) and one connection per process LISTENs on the channel while
+the process has watches, so streams follow writes made through other replicas; a replica with no
+watch is not told of every other replica's commits. That connection is checked every few
+seconds, and re-established after a failure; since notifications sent while it did not listen
+are lost, every waiter is woken once it listens (again). SQLite has no notifications between
+processes: the local wake-up serves this process, and one task per process watches the file for
+commits of other processes sharing it (`Database.foreign_commits`), waking every waiter when
+there was one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from types import TracebackType
+from typing import Any
 
 import psycopg
 from sqlalchemy import text
@@ -88,10 +91,12 @@ class ChangeFeed:
         )
         self._seen_commits: int | None = None
         self.listening = asyncio.Event()
+        # Set when a watch begins: the listener LISTENs only while there are watches.
+        self._watched = asyncio.Event()
 
     async def start(self) -> None:
-        """Start following other processes' changes (on PostgreSQL, returns once the first LISTEN
-        is in place)."""
+        """Start following other processes' changes (on PostgreSQL, returns once the listening
+        connection is open, or could not be: it is retried in the background)."""
         if not self.database.is_postgresql:
             self._foreign_commits.start()
             self.listening.set()
@@ -120,6 +125,7 @@ class ChangeFeed:
         watch = Watch(self, keys)
         for key in watch.keys:
             self._watches.setdefault(key, set()).add(watch)
+        self._watched.set()
         return watch
 
     def _forget(self, watch: Watch) -> None:
@@ -145,11 +151,28 @@ class ChangeFeed:
         """Tell the other replicas, from inside the writing transaction (PostgreSQL only)."""
         if not self.database.is_postgresql:
             return
-        for payload in _payloads(keys):
+        for payload in self.payloads(keys):
             connection.execute(_NOTIFY, {"channel": self.channel, "payload": payload})
 
+    @staticmethod
+    def payloads(keys: Iterable[str]) -> list[str]:
+        """The `pg_notify` payloads telling of `keys` (also for a statement that notifies itself):
+        comma-joined keys, split under PostgreSQL's payload limit."""
+        payloads: list[str] = []
+        batch: list[str] = []
+        size = 0
+        for key in dict.fromkeys(keys):
+            if batch and size + len(key) + 1 > MAX_PAYLOAD:
+                payloads.append(",".join(batch))
+                batch, size = [], 0
+            batch.append(key)
+            size += len(key) + 1
+        if batch:
+            payloads.append(",".join(batch))
+        return payloads
+
     async def _listen(self) -> None:
-        conninfo = self.database.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        conninfo = self.database.driver_conninfo
         streak = FailureStreak("listening for changes", channel=self.channel)
         while True:
             try:
@@ -157,31 +180,46 @@ class ChangeFeed:
                     conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
                 )
                 async with await connect as connection:
-                    await connection.execute(f'LISTEN "{self.channel}"')
                     if streak.failures:
                         streak.succeeded()
-                        self._wake_all()  # changes made meanwhile were not notified
                     self.listening.set()
-                    while True:
-                        async for notification in connection.notifies(timeout=LISTEN_CHECK_PERIOD_S):
-                            self.wake(notification.payload.split(","))
-                        await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
+                    await self._follow(connection)
             except (psycopg.Error, OSError, asyncio.TimeoutError) as error:
                 # Retried often: until it is back, other replicas' writes reach readers late.
                 delay = min(streak.failed(error), MAX_RECONNECT_DELAY_S)
                 self.listening.set()  # start-up must not hang on an unreachable database
                 await asyncio.sleep(delay)
 
-
-def _payloads(keys: Iterable[str]) -> Iterator[str]:
-    """Comma-joined keys, split under PostgreSQL's payload limit."""
-    batch: list[str] = []
-    size = 0
-    for key in dict.fromkeys(keys):
-        if batch and size + len(key) + 1 > MAX_PAYLOAD:
-            yield ",".join(batch)
-            batch, size = [], 0
-        batch.append(key)
-        size += len(key) + 1
-    if batch:
-        yield ",".join(batch)
+    async def _follow(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        """LISTEN while this process has watches, and only then: every replica's commits notify
+        every listening replica, which costs each of them CPU for every commit. Listening begins
+        after a watch may have read the tables, so every watch is woken then (as after a lost
+        connection: what was notified meanwhile was missed). The connection is checked whenever it
+        stayed silent for LISTEN_CHECK_PERIOD_S."""
+        listening = False
+        while True:
+            self._watched.clear()  # before looking: a watch that begins from now on sets it
+            if not self._watches:
+                if listening:
+                    await connection.execute(f'UNLISTEN "{self.channel}"')
+                    listening = False
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._watched.wait(), LISTEN_CHECK_PERIOD_S)
+                if not self._watches:
+                    await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
+                    continue
+            if not listening:
+                await connection.execute(f'LISTEN "{self.channel}"')
+                listening = True
+                self._wake_all()
+            silent = True
+            async with contextlib.aclosing(
+                connection.notifies(timeout=LISTEN_CHECK_PERIOD_S)
+            ) as notifications:
+                async for notification in notifications:
+                    silent = False
+                    self.wake(notification.payload.split(","))
+                    if not self._watches:
+                        break
+            if silent:
+                await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)

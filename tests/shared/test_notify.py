@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import text
 
 from shared.db import Database, Transaction
-from shared.notify import SQLITE_POLL_PERIOD_S, ChangeFeed, _payloads
+from shared.notify import LISTEN_CHECK_PERIOD_S, SQLITE_POLL_PERIOD_S, ChangeFeed
 
 
 async def _notify(database: Database, feed: ChangeFeed, keys: list[str]) -> None:
@@ -78,6 +78,8 @@ async def test_notifications_reach_other_replicas_only_once_committed(postgres_u
         for feed in feeds:
             await feed.start()
         with feeds[1].watch(["trial:1"]) as watch:
+            # Woken once when the replica begins to listen (it may have missed a change before).
+            assert await watch.wait(5)
 
             def rolled_back(transaction: Transaction) -> None:
                 transaction.changed(["trial:1"])
@@ -94,6 +96,45 @@ async def test_notifications_reach_other_replicas_only_once_committed(postgres_u
             await database.close()
 
 
+async def test_a_replica_listens_only_while_it_has_watches(postgres_url: str) -> None:
+    """Every listening replica is told of every replica's commits, which costs it CPU each: a
+    replica with nothing to wake does not listen."""
+    database = Database(postgres_url)
+    feed = ChangeFeed(database, "listen_test")
+
+    async def last_queries() -> list[str]:
+        """The last statement of each connection to the database but this one."""
+        rows = await database.fetch(
+            text(
+                "SELECT query FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        )
+        return [str(row[0]) for row in rows]
+
+    async def becomes(statement: str, within_s: float) -> bool:
+        """Whether some connection's last statement is `statement` within `within_s`."""
+        deadline = asyncio.get_running_loop().time() + within_s
+        while statement not in await last_queries():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    try:
+        await feed.start()
+        await asyncio.sleep(0.3)
+        assert not any("LISTEN" in query for query in await last_queries())
+        with feed.watch(["k"]) as watch:
+            assert await becomes('LISTEN "listen_test"', 5)
+            assert await watch.wait(1)  # woken as listening began
+        # Unlistened once the listening connection has had nothing to say for a check period.
+        assert await becomes('UNLISTEN "listen_test"', 2 * LISTEN_CHECK_PERIOD_S)
+    finally:
+        await feed.stop()
+        await database.close()
+
+
 async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str) -> None:
     databases = [Database(postgres_url) for _ in range(2)]
     listener = ChangeFeed(databases[1], "test")
@@ -101,13 +142,16 @@ async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str)
     try:
         await listener.start()
         with listener.watch(["k"]) as watch:
+            assert await watch.wait(5)  # woken as listening began: the LISTEN is in place
             async with databases[0].engine.begin() as connection:
-                await connection.execute(
+                terminated = await connection.execute(
                     text(
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+                        "WHERE query LIKE 'LISTEN%' AND datname = current_database() "
+                        "AND pid <> pg_backend_pid()"
                     )
                 )
+                assert len(terminated.all()) == 1
             # Everyone is woken once listening again: changes meanwhile were not notified.
             assert await watch.wait(5)
             await asyncio.sleep(0.2)
@@ -121,6 +165,6 @@ async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str)
 
 def test_payloads_stay_under_postgresqls_limit() -> None:
     keys = [f"trial:{index}" for index in range(3000)]
-    payloads = list(_payloads(keys + keys[:10]))
+    payloads = ChangeFeed.payloads(keys + keys[:10])
     assert len(payloads) > 1 and all(len(payload) < 8000 for payload in payloads)
     assert [key for payload in payloads for key in payload.split(",")] == keys
