@@ -101,7 +101,8 @@ class DatastoreStore:
         self.db = database
         self.feed = feed
         # The ingestion statements run on the driver's cursor: SQLAlchemy's work per execution
-        # cost more than the database's own (and on PostgreSQL it runs on the event loop).
+        # cost more than the database's own (and on PostgreSQL it runs on the event loop). On
+        # PostgreSQL they serve only the batches that hold one trial twice (two streams of it).
         # The UPDATE's row lock serializes appends to one trial across replicas: sample numbers
         # are taken from the count it returns.
         mark = "%s" if database.is_postgresql else "?"
@@ -114,6 +115,42 @@ class DatastoreStore:
         self._insert_samples = (
             f"INSERT INTO {samples.name} (trial_seq, sample_seq, data) VALUES ({mark}, {mark}, {mark})"
         )
+        # PostgreSQL: a whole batch in one statement, its own transaction, so one round trip on
+        # the database's direct connection (only the batcher's one task writes samples): every
+        # trial's UPDATE, the samples numbered from the counts it returns, and the change
+        # notification, which PostgreSQL delivers when the statement commits.
+        self._append_batch = f"""
+            WITH batch AS (
+                SELECT *, CAST(sum(added) OVER (ORDER BY position) - added AS bigint) AS data_offset
+                FROM unnest(
+                    %(seqs)s::bigint[], %(added)s::bigint[], %(last_states)s::smallint[],
+                    %(ended)s::boolean[], %(close)s::boolean[]
+                ) WITH ORDINALITY AS b (trial_seq, added, last_state, ended, close, position)
+            ), bumped AS (
+                UPDATE {trials.name} AS t SET
+                    samples_count = t.samples_count + b.added,
+                    last_state = COALESCE(b.last_state, t.last_state),
+                    ended = (t.ended OR b.ended),
+                    closed = (t.closed OR b.close),
+                    lease_until = CASE WHEN b.close THEN 0 ELSE t.lease_until END
+                FROM batch AS b WHERE t.trial_seq = b.trial_seq
+                RETURNING t.trial_seq, t.samples_count - b.added AS first, b.position, b.data_offset
+            ), inserted AS (
+                -- The data array holds the samples of every append, one append after the other;
+                -- owners, the position of each sample's append in the batch.
+                INSERT INTO {samples.name} (trial_seq, sample_seq, data)
+                SELECT bumped.trial_seq, bumped.first + d.position - 1 - bumped.data_offset, d.data
+                FROM unnest(%(owners)s::bigint[], %(data)b::bytea[])
+                    WITH ORDINALITY AS d (owner, data, position)
+                JOIN bumped ON bumped.position = d.owner
+            ), notified AS (
+                -- A CTE with a side effect runs once; nothing to tell when no trial was there.
+                SELECT count(pg_notify(%(channel)s, payload)) AS sent
+                FROM unnest(%(payloads)s::text[]) AS payload
+                WHERE EXISTS (SELECT FROM bumped)
+            )
+            SELECT bumped.trial_seq, bumped.first FROM bumped, notified
+            """
         upsert = database.insert(trials)
         # `reopen`: a new ingestion stream starts, live readers wait for it again.
         self._upsert_trial = upsert.on_conflict_do_update(
@@ -240,6 +277,8 @@ class DatastoreStore:
     async def append(self, appends: Sequence[SampleAppend]) -> list[int | None]:
         """Store every append in one transaction. Returns, per append, the number of its first
         sample in the trial, or None if the trial no longer exists (its samples are dropped)."""
+        if self.db.is_postgresql and len({append.trial_seq for append in appends}) == len(appends):
+            return await self._append_in_one_statement(appends)
 
         def write(transaction: Transaction) -> list[int | None]:
             firsts: list[int | None] = []
@@ -269,6 +308,27 @@ class DatastoreStore:
             return firsts
 
         return await self.db.write(write, self.feed)
+
+    async def _append_in_one_statement(self, appends: Sequence[SampleAppend]) -> list[int | None]:
+        seqs = [append.trial_seq for append in appends]
+        keys = [samples_key(seq) for seq in seqs]
+        rows = await self.db.fetch_direct(
+            self._append_batch,
+            {
+                "seqs": seqs,
+                "added": [len(append.samples) for append in appends],
+                "last_states": [append.last_state for append in appends],
+                "ended": [append.ended for append in appends],
+                "close": [append.close for append in appends],
+                "owners": [position for position, append in enumerate(appends, 1) for _ in append.samples],
+                "data": [data for append in appends for data in append.samples],
+                "channel": self.feed.channel,
+                "payloads": self.feed.payloads(keys),
+            },
+        )
+        self.feed.wake(keys)
+        firsts = {int(seq): int(first) for seq, first in rows}
+        return [firsts.get(seq) for seq in seqs]
 
     async def renew_leases(self, trial_seqs: Sequence[int], until_ns: int) -> None:
         """The ingestion streams of these trials are still open here: hold their leases."""

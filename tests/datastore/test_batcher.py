@@ -112,3 +112,40 @@ async def test_bytes_in_flight_are_bounded_per_stream_and_per_process(store: Rec
     assert (first.in_flight_bytes, second.in_flight_bytes, doomed.in_flight_bytes) == (0, 0, 0)
     assert batcher.in_flight_bytes == 0
     assert all(batcher.has_room(buffer) for buffer in (first, second))
+
+
+async def test_one_batch_may_hold_a_trial_twice(store: RecordingStore) -> None:
+    """Two streams of one trial (two AddSample calls, a datalog retried while its old stream's
+    close is queued) put it twice in a batch: both appends stored, numbered one after the other,
+    an append of a deleted trial and a close-only append beside them."""
+    twice, other, gone = [
+        await store.upsert_trial(name, "u", b"", {}, 0) for name in ["twice", "other", "gone"]
+    ]
+    await store.delete_trials(["gone"])
+    firsts = await store.append(
+        [
+            SampleAppend(twice, [b"a0", b"a1"], last_state=None, ended=False, close=False),
+            SampleAppend(other, [b"o0"], last_state=common_pb2.RUNNING, ended=False, close=False),
+            SampleAppend(gone, [b"g0"], last_state=None, ended=False, close=False),
+            SampleAppend(twice, [b"b0"], last_state=common_pb2.ENDED, ended=True, close=False),
+        ]
+    )
+    assert firsts == [0, 0, None, 2]
+    assert await store.read_samples(twice, 0, 10) == [b"a0", b"a1", b"b0"]
+    assert await store.read_samples(other, 0, 10) == [b"o0"]
+    # Each trial once, with a close-only append: the one-statement path on PostgreSQL.
+    firsts = await store.append(
+        [
+            SampleAppend(other, [], last_state=None, ended=False, close=True),
+            SampleAppend(twice, [b"c0", b"c1"], last_state=None, ended=False, close=True),
+            SampleAppend(gone, [b"g1"], last_state=None, ended=False, close=True),
+        ]
+    )
+    assert firsts == [1, 3, None]
+    assert await store.read_samples(twice, 0, 10) == [b"a0", b"a1", b"b0", b"c0", b"c1"]
+    progress = {seq: await store.progress(seq) for seq in (twice, other, gone)}
+    assert progress[gone] is None
+    assert [(p.samples_count, p.ended, p.closed) for p in (progress[twice], progress[other]) if p] == [
+        (5, True, True),
+        (1, False, True),
+    ]
