@@ -409,6 +409,34 @@ def exercise_datastore(a: grpc.Channel, b: grpc.Channel) -> None:
     assert [sample.tick_id for sample in stored] == [0, 1, 2, 3, 4]
 
 
+def trials_through_discovery(
+    directory: grpc.Channel, credentials: grpc.ChannelCredentials, trials: int
+) -> list[int]:
+    """Run `trials` short trials as the orchestrator does: each one inquires the directory for the
+    datalog service and logs to the first endpoint it is given. Returns the ports used."""
+    request = directory_pb2.InquireRequest(
+        details=directory_pb2.ServiceDetails(type=directory_pb2.DATALOG_SERVICE)
+    )
+    ports = []
+    for _trial in range(trials):
+        answer = directory_pb2_grpc.DirectorySPStub(directory).Inquire(
+            request, metadata=(("authentication-token", TOKEN),), timeout=10
+        )
+        first = next(answer).data.endpoint
+        answer.cancel()
+        ports.append(first.port)
+        with grpc.secure_channel(f"127.0.0.1:{first.port}", credentials) as channel:
+            acks = list(
+                datalog_pb2_grpc.DatalogSPStub(channel).RunTrialDatalog(
+                    iter(datalog_inputs(trial_params(), full_trial(3))),
+                    metadata=(("trial-id", f"spread-{secrets.token_hex(4)}"), ("user-id", "tester")),
+                    timeout=30,
+                )
+            )
+        assert len(acks) == 4
+    return ports
+
+
 # ---- the tests ----
 
 GRPC, GRPC_SSL = int(directory_pb2.ServiceEndpoint.GRPC), int(directory_pb2.ServiceEndpoint.GRPC_SSL)
@@ -463,6 +491,12 @@ def test_scale_out_values_run_two_replicas_per_service(
         (d, ["datastore", "datalog"]) for d in datastores
     ]:
         assert sorted(str(e["type"]) for e in service.events("registered in the directory")) == sorted(types)
+
+    # The chart turns the directory's load balancing on for several replicas: trials discovered
+    # the orchestrator's way reach both datastores (20 trials on one: a 1 in 500,000 chance).
+    with grpc.secure_channel(by_name["directory"][0].address, credentials) as channel:
+        ports = trials_through_discovery(channel, credentials, 20)
+    assert set(ports) == {datastore.port for datastore in datastores}, ports
 
     exercises = {
         "directory": exercise_directory,
