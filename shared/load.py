@@ -8,8 +8,9 @@ and 255 while the service is not serving (starting or shutting down).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
+
+from shared.supervision import cancel_and_wait
 
 UNSERVICEABLE = 255
 SAMPLE_PERIOD_S = 1.0
@@ -31,9 +32,7 @@ class LoadMonitor:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def _sample_forever(self) -> None:
         last_wall, last_cpu = time.monotonic(), time.process_time()

@@ -29,7 +29,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from shared.db import CONNECT_TIMEOUT_S, Database
-from shared.supervision import FailureStreak, Periodic
+from shared.supervision import FailureStreak, Periodic, cancel_and_wait
 
 # PostgreSQL refuses payloads of 8000 bytes or more.
 MAX_PAYLOAD = 7000
@@ -107,9 +107,7 @@ class ChangeFeed:
     async def stop(self) -> None:
         await self._foreign_commits.stop()
         if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
+            await cancel_and_wait(self._listener)
             self._listener = None
 
     async def _look_for_foreign_commits(self) -> None:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -71,6 +70,7 @@ from shared.endpoints import (
 from shared.logging import get_logger
 from shared.private_file import write_private_file
 from shared.settings import Settings
+from shared.supervision import cancel_and_wait
 from shared.version import PACKAGE_VERSION
 
 TOKEN_METADATA_KEY = "authentication-token"
@@ -356,9 +356,7 @@ class DirectoryRegistration:
         deregistration timeout); never raises for directory errors."""
         task, self._task = self._task, None
         if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         channel, self._channel = self._channel, None
         if channel is None:
             return

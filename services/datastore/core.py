@@ -29,6 +29,7 @@ from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.observer import DRAIN_LIMIT_S
+from shared.supervision import cancel_and_wait
 from shared.validation import (
     MAX_INT64_POSITION,
     MAX_TRIAL_PARAMS_BYTES,
@@ -143,9 +144,7 @@ class Ingestion:
                 await asyncio.wait_for(asyncio.shield(reader), DRAIN_LIMIT_S)
             raise
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            await cancel_and_wait(reader)
 
     def _failure(self, error: Exception) -> Exception:
         """What the stream ends with: the database's failure (away, full), the trial's deletion,

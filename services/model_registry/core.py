@@ -11,7 +11,6 @@ after a grace period, so downloads already under way finish.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import secrets
 import time
@@ -26,7 +25,7 @@ from shared.dependencies import Dependencies
 from shared.errors import InvalidArgument, NotFound
 from shared.handlers import fitting_count
 from shared.logging import get_logger
-from shared.supervision import FailureStreak, Periodic
+from shared.supervision import FailureStreak, Periodic, cancel_and_wait
 from shared.validation import MAX_INT32_POSITION, parse_handle, quoted
 
 # Downloads of a deleted or evicted version get this long to finish before its blob goes.
@@ -344,9 +343,7 @@ class _ModelWatch:
         return self.latest is None or self.latest > sent
 
     async def stop(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_and_wait(self._task)
 
 
 def _absolute(number: int, latest: int) -> int:

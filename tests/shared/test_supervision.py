@@ -1,0 +1,94 @@
+"""Supervised background work: stopping it always ends it, and a failing step is retried."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from shared.supervision import Periodic, cancel_and_wait
+
+# Far above what stopping takes; reaching it means the stop hung.
+STOP_LIMIT_S = 5.0
+
+
+async def ends(stopping: Coroutine[Any, Any, None]) -> None:
+    """Run `stopping` and fail if it has not ended within STOP_LIMIT_S. Not `wait_for`: it would
+    cancel a hung stop, and a stop that suppresses CancelledError would then seem to have ended."""
+    task = asyncio.ensure_future(stopping)
+    await asyncio.wait([task], timeout=STOP_LIMIT_S)
+    assert task.done(), "it hung"
+    task.result()
+
+
+async def test_cancel_and_wait_ends_a_task_that_swallows_a_cancellation() -> None:
+    swallowed = asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()  # as asyncio.wait_for does on Python 3.11 when its result races the cancel
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)  # it starts sleeping
+    await ends(cancel_and_wait(task))
+    assert swallowed.is_set()
+    assert task.cancelled()
+
+
+async def test_cancel_and_wait_raises_what_the_task_failed_with() -> None:
+    async def failing() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise RuntimeError("failed while cancelled") from None
+
+    task = asyncio.create_task(failing())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="failed while cancelled"):
+        await cancel_and_wait(task)
+
+
+async def test_a_periodic_task_woken_as_it_is_stopped_stops() -> None:
+    """The shutdown that hung: `wake()` then `stop()` in the same turn of the event loop. The
+    wait for the wake-up completes as the cancellation arrives, and on Python 3.11 `wait_for`
+    then returns instead of raising."""
+    steps = 0
+    ran = asyncio.Event()
+
+    async def step() -> bool:
+        nonlocal steps
+        steps += 1
+        ran.set()
+        return False
+
+    periodic = Periodic("test-periodic", step, period_s=3600)
+    periodic.start()
+    await asyncio.wait_for(ran.wait(), STOP_LIMIT_S)
+    await asyncio.sleep(0)  # it waits for the period or a wake-up
+    periodic.wake()
+    await ends(periodic.stop())
+    assert steps <= 2
+
+
+async def test_a_failing_step_is_retried_until_it_succeeds() -> None:
+    attempts = 0
+    succeeded = asyncio.Event()
+
+    async def step() -> bool:
+        nonlocal attempts
+        attempts += 1
+        if attempts < 3:
+            raise ConnectionError("the database is away")
+        succeeded.set()
+        return False
+
+    periodic = Periodic("test-retried", step, period_s=3600)
+    periodic.start()
+    await asyncio.wait_for(succeeded.wait(), STOP_LIMIT_S)
+    await ends(periodic.stop())
+    assert attempts == 3
