@@ -102,7 +102,8 @@ class DatastoreStore:
         self.feed = feed
         # The ingestion statements run on the driver's cursor: SQLAlchemy's work per execution
         # cost more than the database's own (and on PostgreSQL it runs on the event loop). On
-        # PostgreSQL they serve only the batches that hold one trial twice (two streams of it).
+        # SQLite, in a transaction of their own too (`Database.write_direct`); on PostgreSQL they
+        # serve only the batches that hold one trial twice (two streams of it).
         # The UPDATE's row lock serializes appends to one trial across replicas: sample numbers
         # are taken from the count it returns.
         mark = "%s" if database.is_postgresql else "?"
@@ -277,37 +278,45 @@ class DatastoreStore:
     async def append(self, appends: Sequence[SampleAppend]) -> list[int | None]:
         """Store every append in one transaction. Returns, per append, the number of its first
         sample in the trial, or None if the trial no longer exists (its samples are dropped)."""
-        if self.db.is_postgresql and len({append.trial_seq for append in appends}) == len(appends):
+        if not self.db.is_postgresql:
+            firsts = await self.db.write_direct(lambda cursor: self._append_on(cursor, appends))
+            self.feed.wake(samples_key(append.trial_seq) for append in appends)
+            return firsts
+        if len({append.trial_seq for append in appends}) == len(appends):
             return await self._append_in_one_statement(appends)
 
         def write(transaction: Transaction) -> list[int | None]:
-            firsts: list[int | None] = []
             cursor = transaction.connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
-                for append in appends:
-                    added = len(append.samples)
-                    seq = append.trial_seq
-                    cursor.execute(
-                        self._bump_trial,
-                        (added, append.last_state, append.ended, append.close, append.close, seq),
-                    )
-                    row = cursor.fetchone()
-                    if row is None:
-                        firsts.append(None)
-                        continue
-                    first = int(row[0]) - added
-                    if added:
-                        cursor.executemany(
-                            self._insert_samples,
-                            [(seq, first + index, data) for index, data in enumerate(append.samples)],
-                        )
-                    firsts.append(first)
+                firsts = self._append_on(cursor, appends)
             finally:
                 cursor.close()
             transaction.changed(samples_key(append.trial_seq) for append in appends)
             return firsts
 
         return await self.db.write(write, self.feed)
+
+    def _append_on(self, cursor: Any, appends: Sequence[SampleAppend]) -> list[int | None]:
+        """The appends, one after the other, on a driver cursor inside a transaction."""
+        firsts: list[int | None] = []
+        for append in appends:
+            added = len(append.samples)
+            seq = append.trial_seq
+            cursor.execute(
+                self._bump_trial, (added, append.last_state, append.ended, append.close, append.close, seq)
+            )
+            row = cursor.fetchone()
+            if row is None:
+                firsts.append(None)
+                continue
+            first = int(row[0]) - added
+            if added:
+                cursor.executemany(
+                    self._insert_samples,
+                    [(seq, first + index, data) for index, data in enumerate(append.samples)],
+                )
+            firsts.append(first)
+        return firsts
 
     async def _append_in_one_statement(self, appends: Sequence[SampleAppend]) -> list[int | None]:
         seqs = [append.trial_seq for append in appends]
