@@ -51,6 +51,7 @@ port_number = _bounded("port_number", int, 0, 65535, "a port number 0..65535")
 # Positive: the smallest float above zero.
 positive_float = _bounded("positive_float", float, math.ulp(0.0), None, "a positive number")
 non_negative_float = _bounded("non_negative_float", float, 0.0, None, "a non-negative number")
+up_to_a_second = _bounded("up_to_a_second", float, 0.0, 1.0, "a number of seconds from 0 to 1")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ transaction runs, samples accumulate; the next transaction takes what every buff
 a sample waits at most for the transaction under way plus its own. A buffer's samples are taken
 in order and one transaction runs at a time, so each trial's samples keep their order.
 
+Transactions start at most every `interval_s` (unless a full batch waits): a steady flow of
+samples at the orchestrator's pace (a few hundred a second over many streams) would otherwise
+commit them one by one, each transaction's fixed cost (CPU in the database and here, a page
+or more written) paid per sample. A sample arriving after a quiet spell is written at once.
+
 Buffers count what is committed: a stream acknowledges that many (an acknowledged sample is
 durable). Bookkeeping is per buffer and per batch, not per sample: at thousands of samples a
 second, per-sample futures would cost the event loop more than the conversion does.
@@ -34,6 +39,7 @@ DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_STREAM_SAMPLES = 2000
 DEFAULT_MAX_STREAM_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_IN_FLIGHT_BYTES = 256 * 1024 * 1024
+DEFAULT_INTERVAL_S = 0.01
 # On shutdown, pending samples get this long to be written.
 STOP_TIMEOUT_S = 5.0
 
@@ -64,6 +70,11 @@ class IngestionBuffer:
         # Set whenever `committed`, `closed` or `failure` changes.
         self.progressed = asyncio.Event()
         self.queued = False
+
+    @property
+    def pending(self) -> int:
+        """Samples received and not yet taken into a transaction."""
+        return len(self._samples)
 
     @property
     def in_flight(self) -> int:
@@ -128,6 +139,7 @@ class SampleBatcher:
         max_stream_samples: int = DEFAULT_MAX_STREAM_SAMPLES,
         max_stream_bytes: int = DEFAULT_MAX_STREAM_BYTES,
         max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        interval_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
         self._store = store
         self._dependencies = dependencies or Dependencies([])
@@ -136,6 +148,9 @@ class SampleBatcher:
         self.max_stream_samples = max_stream_samples
         self.max_stream_bytes = max_stream_bytes
         self.max_in_flight_bytes = max_in_flight_bytes
+        self.interval_s = interval_s
+        # When the last transaction started (the event loop's time).
+        self._last_start = -interval_s
         # Bytes received by every stream and not yet committed, and the streams waiting for room.
         self.in_flight_bytes = 0
         self._room_waiters: set[asyncio.Event] = set()
@@ -221,6 +236,7 @@ class SampleBatcher:
             await self._ready.wait()
             self._ready.clear()
             while self._queue:
+                await self._pace()
                 batch = self._take_batch()
                 try:
                     await self._write(batch)
@@ -230,6 +246,18 @@ class SampleBatcher:
                         buffer.failed(error)
             if self._stopping:
                 return
+
+    async def _pace(self) -> None:
+        """Wait until `interval_s` after the previous transaction started, unless a full batch
+        waits or the batcher is stopping."""
+        loop = asyncio.get_running_loop()
+        wait = self._last_start + self.interval_s - loop.time()
+        if wait > 0 and not self._stopping and self._waiting_samples() < self.max_samples:
+            await asyncio.sleep(wait)
+        self._last_start = loop.time()
+
+    def _waiting_samples(self) -> int:
+        return sum(buffer.pending for buffer in self._queue)
 
     async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend, int]]) -> None:
         if not batch:  # every queued stream had failed

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.datastore.batcher import (
+    DEFAULT_INTERVAL_S,
     DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_SAMPLES,
     DEFAULT_MAX_STREAM_BYTES,
@@ -18,7 +19,7 @@ from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
 from services.datastore.servicer import add_datastore_servicers
 from services.datastore.store import DatastoreStore
 from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2
-from shared.config import Option, positive_float, positive_int
+from shared.config import Option, positive_float, positive_int, up_to_a_second
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.registration import RegistrationSettings, registration_options
@@ -35,6 +36,10 @@ OPTIONS: list[Option] = [
     Option("batch_max_samples", "ingested samples written per transaction at most (samples arriving "
            "while one commits share the next)", DEFAULT_MAX_SAMPLES, f"{ENV_PREFIX}_BATCH_MAX_SAMPLES",
            positive_int),
+    Option("batch_interval", "seconds at least between the starts of two ingestion transactions, "
+           "unless a full batch waits: a steady flow of samples shares fewer transactions, each "
+           "acknowledged sample waiting this long more at most; 0 starts each as soon as the "
+           "previous one ends", DEFAULT_INTERVAL_S, f"{ENV_PREFIX}_BATCH_INTERVAL", up_to_a_second),
     Option("read_batch_bytes", "bytes of stored samples a replaying reader reads at once, and holds "
            "at most while its client reads slowly (a larger sample is read alone)",
            DEFAULT_READ_BATCH_BYTES, f"{ENV_PREFIX}_READ_BATCH_BYTES", positive_int),
@@ -57,6 +62,7 @@ OPTIONS: list[Option] = [
 class DatastoreSettings(ServerSettings, RegistrationSettings):
     """The values of OPTIONS."""
 
+    batch_interval: float
     batch_max_samples: int
     ingestion_bytes: int
     ingestion_lease: float
@@ -83,6 +89,7 @@ class DatastoreService(Service[DatastoreSettings]):
             max_samples=settings.batch_max_samples,
             max_stream_bytes=settings.ingestion_stream_bytes,
             max_in_flight_bytes=settings.ingestion_bytes,
+            interval_s=settings.batch_interval,
         )
         self.leases = IngestionLeases(self.store, settings.ingestion_lease, self.dependencies)
         self.datastore = TrialDatastore(

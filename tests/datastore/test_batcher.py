@@ -149,3 +149,43 @@ async def test_one_batch_may_hold_a_trial_twice(store: RecordingStore) -> None:
         (5, True, True),
         (1, False, True),
     ]
+
+
+async def _committed(buffer: IngestionBuffer, count: int) -> None:
+    while buffer.failure is None and buffer.committed < count:
+        await buffer.progressed.wait()
+        buffer.progressed.clear()
+
+
+async def test_a_steady_flow_shares_transactions_a_sample_after_a_quiet_spell_does_not_wait(
+    store: RecordingStore,
+) -> None:
+    """At most one transaction starts per interval: samples of two streams arriving a moment
+    apart share one, where each would otherwise have had its own."""
+    quiet, first, second = [await store.upsert_trial(name, "u", b"", {}, 0) for name in "qfs"]
+    batcher = SampleBatcher(store, interval_s=2.0)
+    batcher.start()
+    buffers = [batcher.open(seq) for seq in (quiet, first, second)]
+    buffers[0].add(b"q", NO_STATE)
+    await asyncio.wait_for(_committed(buffers[0], 1), 30)  # nothing written lately: at once
+    buffers[1].add(b"f", NO_STATE)
+    await asyncio.sleep(0.05)  # long enough for the writer to start a transaction of its own
+    buffers[2].add(b"s", NO_STATE)
+    await asyncio.wait_for(asyncio.gather(_committed(buffers[1], 1), _committed(buffers[2], 1)), 30)
+    await batcher.stop()
+    assert [[append.trial_seq for append in batch] for batch in store.batches] == [[quiet], [first, second]]
+
+
+async def test_a_full_batch_and_a_stop_do_not_wait_for_the_interval(store: RecordingStore) -> None:
+    seqs = [await store.upsert_trial(name, "u", b"", {}, 0) for name in "abc"]
+    batcher = SampleBatcher(store, max_samples=2, interval_s=3600.0)
+    batcher.start()
+    first, second, third = (batcher.open(seq) for seq in seqs)
+    first.add(b"a", NO_STATE)
+    await asyncio.wait_for(_committed(first, 1), 30)
+    second.add(b"b0", NO_STATE)
+    second.add(b"b1", NO_STATE)  # a full batch: written within the hour
+    await asyncio.wait_for(_committed(second, 2), 30)
+    third.add(b"c", NO_STATE)
+    await batcher.stop()  # what was received is written
+    assert (first.committed, second.committed, third.committed) == (1, 2, 1)
