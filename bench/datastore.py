@@ -921,8 +921,13 @@ async def measure_paced(
             capture_path = plan.workdir / "capture.bin"
             write_capture(capture_path, [])  # nothing to replay: the bare server only receives
             command = [sys.executable, str(SCRIPT), "_bare", str(capture_path)]
-            bare = await asyncio.to_thread(start_server, plan, "bare", command)
-            sessions.append(PacedSession("bare", [bare], workload, tag))
+            # As many bare receivers as replicas, each given the same share of the streams: a
+            # process's cost per message grows as its load falls (fewer events per loop turn).
+            bares = [
+                await asyncio.to_thread(start_server, plan, f"bare-{replica}", command)
+                for replica in range(len(datastores))
+            ]
+            sessions.append(PacedSession("bare", bares, workload, tag))
         for session in sessions:
             await session.warm_up(warmup, rate)
         for round_ in range(args.rounds):

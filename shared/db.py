@@ -14,7 +14,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
 from alembic import command
@@ -90,41 +90,63 @@ def _sqlite_on_begin(connection: Connection) -> None:
 
 
 T = TypeVar("T")
-_Work = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[[Connection], Any]]
+C = TypeVar("C")
+_Work = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[[Any], Any]]
 
 
-class _SqliteThread:
-    """Runs work on one thread with its own SQLite connection, for the event loop.
+class _ConnectionThread(Generic[C]):
+    """Runs work on one thread with its own database connection, for the event loop.
 
     aiosqlite hops threads once per cursor operation (about ten per query), each hop a round
-    trip of the GIL. This thread instead runs a whole unit of work per hop (a statement, or a
-    transaction), and runs every unit queued since its last wake-up before handing all their
-    results back with one event-loop callback: under load the hand-off is paid per batch.
+    trip of the GIL; psycopg's async connections wait for the server in Python, through the
+    event loop, several times per statement. This thread instead runs a whole unit of work per
+    hop (a statement, or a transaction) on a blocking connection, whose waits release the GIL,
+    and runs every unit queued since its last wake-up before handing all their results back
+    with one event-loop callback: under load the hand-off is paid per batch.
+
+    `connect` makes the connection (on first use, and again after a failure or a `reset`, never
+    at start-up, when a migration may hold the database); `recover` gives the connection to keep
+    after failed work (None: connect again); `close` closes it when the thread ends.
     """
 
-    def __init__(self, url: URL, name: str, **options: Any) -> None:
-        self._engine = create_engine(url.set(drivername="sqlite"), poolclass=StaticPool).execution_options(
-            **options
-        )
-        event.listen(self._engine, "connect", _sqlite_on_connect)
-        event.listen(self._engine, "begin", _sqlite_on_begin)
+    def __init__(
+        self,
+        name: str,
+        connect: Callable[[], C],
+        recover: Callable[[C], C | None],
+        close: Callable[[C], None],
+    ) -> None:
+        self._connect = connect
+        self._recover = recover
+        self._close_connection = close
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._reset = False
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, work: Callable[[Connection], T]) -> asyncio.Future[T]:
+    def submit(self, work: Callable[[C], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queue.put((loop, future, work))
+        if self._closed:
+            future.set_exception(ConnectionError("the database is closed"))
+        else:
+            self._queue.put((loop, future, work))
         return future
 
+    def reset(self) -> None:
+        """Connect again before the next work: after an outage the connection is dead (work in
+        flight on it fails by itself, through the connection's keepalives at worst)."""
+        self._reset = True
+
     def close(self) -> None:
+        """Blocking: run it off the event loop."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join()
-        self._engine.dispose()
 
     def _serve(self) -> None:
-        connection: Connection | None = None
+        connection: C | None = None
         try:
             while (first := self._queue.get()) is not None:
                 batch = [first]
@@ -139,12 +161,16 @@ class _SqliteThread:
                 for loop, future, work in batch:
                     outcome: tuple[Any, Any, BaseException | None]
                     try:
-                        # Connected on first use (and again after a failure), never at start-up,
-                        # when a migration may hold the database.
-                        connection = connection or self._engine.connect()
+                        if self._reset:
+                            self._reset = False
+                            if connection is not None:
+                                with contextlib.suppress(Exception):
+                                    self._close_connection(connection)
+                                connection = None
+                        connection = connection or self._connect()
                         outcome = (future, work(connection), None)
                     except Exception as error:
-                        connection = _reset_after_failure(connection)
+                        connection = None if connection is None else self._recover(connection)
                         outcome = (future, None, error)
                     outcomes.setdefault(loop, []).append(outcome)
                 for loop, delivered in outcomes.items():
@@ -154,13 +180,51 @@ class _SqliteThread:
                     return
         finally:
             if connection is not None:
-                connection.close()
+                self._close_connection(connection)
 
 
-def _reset_after_failure(connection: Connection | None) -> Connection | None:
-    """The connection to keep after failed work: rolled back, or None (reconnect) if it is broken."""
-    if connection is None:
+def _sqlite_thread(url: URL, name: str, **options: Any) -> _ConnectionThread[Connection]:
+    """A thread with its own SQLite connection, through SQLAlchemy (`options`: execution options)."""
+    engine = create_engine(url.set(drivername="sqlite"), poolclass=StaticPool).execution_options(**options)
+    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "begin", _sqlite_on_begin)
+
+    def close(connection: Connection) -> None:
+        connection.close()
+        engine.dispose()
+
+    return _ConnectionThread(name, engine.connect, _reset_after_failure, close)
+
+
+def _postgresql_thread(conninfo: str, name: str) -> _ConnectionThread[psycopg.Connection[Any]]:
+    """A thread with its own PostgreSQL connection, each statement its own transaction."""
+
+    def connect() -> psycopg.Connection[Any]:
+        # Keepalives: a statement in flight when the server's host went away fails in about ten
+        # seconds, not the OS's minutes (nothing else could interrupt it).
+        return psycopg.Connection.connect(
+            conninfo,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+        )
+
+    def drop(connection: psycopg.Connection[Any]) -> None:
+        with contextlib.suppress(Exception):
+            connection.close()
+
+    def dropped(connection: psycopg.Connection[Any]) -> psycopg.Connection[Any] | None:
+        drop(connection)  # a failure may have left it anywhere: connect again
         return None
+
+    return _ConnectionThread(name, connect, dropped, drop)
+
+
+def _reset_after_failure(connection: Connection) -> Connection | None:
+    """The connection to keep after failed work: rolled back, or None (reconnect) if it is broken."""
     try:
         if connection.in_transaction():
             connection.rollback()
@@ -182,48 +246,6 @@ def _deliver(outcomes: list[tuple[Any, Any, BaseException | None]]) -> None:
             future.set_exception(error)
         else:
             future.set_result(result)
-
-
-class _DirectConnection:
-    """PostgreSQL: one driver connection for a hot path that runs one statement at a time, each
-    its own transaction (autocommit). At a small batch per statement, SQLAlchemy's execution and
-    the pool's checkout cost the event loop more than the statement's round trip; this connection
-    does without them. A failure closes it; the next statement connects again."""
-
-    def __init__(self, conninfo: str) -> None:
-        self._conninfo = conninfo
-        self._connection: psycopg.AsyncConnection[Any] | None = None
-        self._lock = asyncio.Lock()  # one statement at a time
-        self._closed = False
-
-    async def fetch(self, sql: str, parameters: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        async with self._lock:
-            if self._closed:
-                raise psycopg.OperationalError("the database is closed")
-            connection = self._connection
-            try:
-                if connection is None or connection.closed:
-                    connection = self._connection = await psycopg.AsyncConnection.connect(
-                        self._conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
-                    )
-                cursor = await connection.execute(sql, parameters)
-                return await cursor.fetchall()
-            except BaseException:
-                await self._drop(connection)
-                raise
-
-    async def reset(self, *, close: bool = False) -> None:
-        """Drop the connection (it is dead after an outage), without waiting for a statement in
-        flight: closing the connection ends it. `close`: for good."""
-        self._closed = self._closed or close
-        await self._drop(self._connection)
-
-    async def _drop(self, connection: psycopg.AsyncConnection[Any] | None) -> None:
-        if connection is not None and self._connection is connection:
-            self._connection = None
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                await connection.close()
 
 
 class Transaction:
@@ -307,14 +329,14 @@ class Database:
         # is a round trip that a lone SELECT does not need. On SQLite they go to a reader thread
         # (see _SqliteReader); WAL lets it read alongside the writer.
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._sqlite_reader: _SqliteThread | None = None
-        self._sqlite_writer: _SqliteThread | None = None
-        self._direct: _DirectConnection | None = None
+        self._sqlite_reader: _ConnectionThread[Connection] | None = None
+        self._sqlite_writer: _ConnectionThread[Connection] | None = None
+        self._direct: _ConnectionThread[psycopg.Connection[Any]] | None = None
         if self.is_postgresql:
-            self._direct = _DirectConnection(self.driver_conninfo)
+            self._direct = _postgresql_thread(self.driver_conninfo, "postgresql-direct")
         if self.is_sqlite:
-            self._sqlite_reader = _SqliteThread(self.url, "sqlite-reader", sqlite_autocommit=True)
-            self._sqlite_writer = _SqliteThread(self.url, "sqlite-writer", sqlite_immediate=True)
+            self._sqlite_reader = _sqlite_thread(self.url, "sqlite-reader", sqlite_autocommit=True)
+            self._sqlite_writer = _sqlite_thread(self.url, "sqlite-writer", sqlite_immediate=True)
 
     @property
     def display_url(self) -> str:
@@ -327,9 +349,11 @@ class Database:
 
     async def fetch_direct(self, sql: str, parameters: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """PostgreSQL: the rows of one statement (psycopg's `%(name)s` parameters), its own
-        transaction, on a connection kept for a hot path that runs one statement at a time."""
+        transaction, on a connection of its own thread, for a hot path: at a small batch per
+        statement, SQLAlchemy's execution and the async driver's waits through the event loop
+        cost more than the statement's round trip."""
         assert self._direct is not None, "PostgreSQL only"
-        return await self._direct.fetch(sql, parameters)
+        return await self._direct.submit(lambda connection: connection.execute(sql, parameters).fetchall())
 
     async def write_direct(self, work: Callable[[sqlite3.Cursor], T]) -> T:
         """SQLite: run `work` on a cursor of the writer thread's driver connection, in one write
@@ -424,7 +448,7 @@ class Database:
         """Drop pooled connections (after an outage they are dead: each would fail one call)."""
         await self.engine.dispose()
         if self._direct is not None:
-            await self._direct.reset()
+            self._direct.reset()
 
     def as_dependency(self) -> Dependency:
         return Dependency("database", self.probe, self.reset_connections)
@@ -448,9 +472,7 @@ class Database:
 
     async def close(self) -> None:
         await self.engine.dispose()
-        if self._direct is not None:
-            await self._direct.reset(close=True)
-        for thread in (self._sqlite_reader, self._sqlite_writer):
+        for thread in (self._direct, self._sqlite_reader, self._sqlite_writer):
             if thread is not None:
                 await asyncio.get_running_loop().run_in_executor(None, thread.close)
 
