@@ -352,7 +352,8 @@ class ClientProgram(Generic[C]):
     ) -> int:
         out = out or sys.stdout
         err = err or sys.stderr
-        args = self.build_parser().parse_args(argv)
+        words = self._attach_dashed_values(sys.argv[1:] if argv is None else argv)
+        args = self.build_parser().parse_args(words)
         command: Command[C] = args.command_spec
         subparser: argparse.ArgumentParser = args.command_parser
         values = resolve(subparser, [*self.options, *command.options], args, environ)
@@ -372,6 +373,37 @@ class ClientProgram(Generic[C]):
             _discard_standard_output(out)
             return 128 + signal.SIGPIPE
         return 0
+
+    def _attach_dashed_values(self, argv: Sequence[str]) -> list[str]:
+        """`--flag -value` as `--flag=-value` for the text flags: argparse takes a word that
+        begins with '-' for a flag, but a value may (a registration's secret is base64url, one
+        in 64 begins with '-'). A word that is itself a flag is left alone."""
+        options = [*self.options, *(option for command in self.commands for option in command.options)]
+        names = {f"--{name}" for option in options for name in (option.flag, *option.aliases)}
+        flags = names | {"-h", "--help"}
+        text_flags = {
+            f"--{name}"
+            for option in options
+            if option.parse is str and not option.choices
+            for name in (option.flag, *option.aliases)
+        }
+        words: list[str] = []
+        index = 0
+        while index < len(argv):
+            word = argv[index]
+            following = argv[index + 1] if index + 1 < len(argv) else None
+            if (
+                word in text_flags
+                and following is not None
+                and following.startswith("-")
+                and following.split("=", 1)[0] not in flags
+            ):
+                words.append(f"{word}={following}")
+                index += 2
+                continue
+            words.append(word)
+            index += 1
+        return words
 
     async def _execute(self, command: Command[C], values: Values, out: TextIO, err: TextIO) -> None:
         client = self.connect(values)

@@ -174,6 +174,19 @@ def test_token_scoping(directory: RunningService) -> None:
     ok("deregister", *endpoint, "--auth_token", f"a-{tag}", "--service_id", service_id, "--secret", secret)
 
 
+def test_a_secret_that_begins_with_a_dash_is_taken_as_the_secret(directory: RunningService) -> None:
+    """Secrets are base64url: one in 64 begins with '-', which argparse takes for a flag."""
+    service_id, _ = register(directory.endpoint, "--host", "h", "--protocol", "cogment", "--type", "other")
+    wrong = run_client(
+        "deregister", "--endpoint", directory.endpoint, "--service_id", service_id, "--secret", "-x"
+    )
+    assert wrong.returncode == 1, wrong.stderr
+    assert "Authentication failure" in wrong.stderr
+    missing = run_client("deregister", "--endpoint", directory.endpoint, "--secret", "--service_id", "1")
+    assert missing.returncode == 2  # a flag where the secret should be: still a usage error
+    assert "--secret: expected one argument" in missing.stderr
+
+
 def test_refused_registration(directory: RunningService) -> None:
     result = run_client("register", "--endpoint", directory.endpoint, "--type", "actor", "--port", "1")
     assert result.returncode == 1
