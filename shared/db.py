@@ -42,6 +42,8 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 CONNECT_TIMEOUT_S = 5
+# What closing waits for the statement under way on a connection thread.
+CLOSE_TIMEOUT_S = 10
 # Any constant works: it only has to be the same for every replica running migrations.
 MIGRATION_LOCK_ID = 0x636F676D656E74
 
@@ -106,7 +108,8 @@ class _ConnectionThread(Generic[C]):
 
     `connect` makes the connection (on first use, and again after a failure or a `reset`, never
     at start-up, when a migration may hold the database); `recover` gives the connection to keep
-    after failed work (None: connect again); `close` closes it when the thread ends.
+    after failed work (None: connect again); `close` closes it; `finish` runs as the thread
+    ends. The thread starts with the first work.
     """
 
     def __init__(
@@ -115,35 +118,49 @@ class _ConnectionThread(Generic[C]):
         connect: Callable[[], C],
         recover: Callable[[C], C | None],
         close: Callable[[C], None],
+        finish: Callable[[], None] | None = None,
     ) -> None:
+        self._name = name
         self._connect = connect
         self._recover = recover
         self._close_connection = close
+        self._finish = finish
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._reset = False
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        # Closing and submitting from different threads: no work is queued behind the end.
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def submit(self, work: Callable[[C], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        if self._closed:
-            future.set_exception(ConnectionError("the database is closed"))
-        else:
+        with self._lock:
+            if self._closed:
+                future.set_exception(ConnectionError("the database is closed"))
+                return future
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
             self._queue.put((loop, future, work))
         return future
 
     def reset(self) -> None:
         """Connect again before the next work: after an outage the connection is dead (work in
-        flight on it fails by itself, through the connection's keepalives at worst)."""
+        flight on it fails by itself, through the connection's timeouts at worst)."""
         self._reset = True
 
-    def close(self) -> None:
-        """Blocking: run it off the event loop."""
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Blocking: run it off the event loop. Waits for the work under way `timeout_s` at most
+        (the thread is a daemon: it does not hold the process)."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+            self._queue.put(None)
+        if thread is not None:
+            thread.join(timeout_s)
+        elif self._finish is not None:
+            self._finish()
 
     def _serve(self) -> None:
         connection: C | None = None
@@ -163,23 +180,36 @@ class _ConnectionThread(Generic[C]):
                     try:
                         if self._reset:
                             self._reset = False
-                            if connection is not None:
-                                with contextlib.suppress(Exception):
-                                    self._close_connection(connection)
-                                connection = None
+                            self._drop(connection)
+                            connection = None
                         connection = connection or self._connect()
                         outcome = (future, work(connection), None)
                     except Exception as error:
-                        connection = None if connection is None else self._recover(connection)
+                        connection = self._recovered(connection)
                         outcome = (future, None, error)
                     outcomes.setdefault(loop, []).append(outcome)
                 for loop, delivered in outcomes.items():
-                    if not loop.is_closed():
+                    with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
                         loop.call_soon_threadsafe(_deliver, delivered)
                 if stopping:
                     return
         finally:
-            if connection is not None:
+            self._drop(connection)
+            if self._finish is not None:
+                self._finish()
+
+    def _recovered(self, connection: C | None) -> C | None:
+        if connection is None:
+            return None
+        try:
+            return self._recover(connection)
+        except Exception:  # the thread must go on: connect again
+            self._drop(connection)
+            return None
+
+    def _drop(self, connection: C | None) -> None:
+        if connection is not None:
+            with contextlib.suppress(Exception):
                 self._close_connection(connection)
 
 
@@ -189,19 +219,18 @@ def _sqlite_thread(url: URL, name: str, **options: Any) -> _ConnectionThread[Con
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
 
-    def close(connection: Connection) -> None:
-        connection.close()
-        engine.dispose()
-
-    return _ConnectionThread(name, engine.connect, _reset_after_failure, close)
+    return _ConnectionThread(
+        name, engine.connect, _reset_after_failure, lambda connection: connection.close(), engine.dispose
+    )
 
 
 def _postgresql_thread(conninfo: str, name: str) -> _ConnectionThread[psycopg.Connection[Any]]:
     """A thread with its own PostgreSQL connection, each statement its own transaction."""
 
     def connect() -> psycopg.Connection[Any]:
-        # Keepalives: a statement in flight when the server's host went away fails in about ten
-        # seconds, not the OS's minutes (nothing else could interrupt it).
+        # A statement in flight when the server's host went away must fail within seconds, not
+        # the OS's minutes: nothing else interrupts it. Keepalives, while it waits for an answer;
+        # the user timeout, while what it sent is not acknowledged.
         return psycopg.Connection.connect(
             conninfo,
             autocommit=True,
@@ -210,17 +239,14 @@ def _postgresql_thread(conninfo: str, name: str) -> _ConnectionThread[psycopg.Co
             keepalives_idle=5,
             keepalives_interval=2,
             keepalives_count=3,
+            tcp_user_timeout=10_000,
         )
 
-    def drop(connection: psycopg.Connection[Any]) -> None:
-        with contextlib.suppress(Exception):
-            connection.close()
-
     def dropped(connection: psycopg.Connection[Any]) -> psycopg.Connection[Any] | None:
-        drop(connection)  # a failure may have left it anywhere: connect again
+        connection.close()  # a failure may have left it anywhere: connect again
         return None
 
-    return _ConnectionThread(name, connect, dropped, drop)
+    return _ConnectionThread(name, connect, dropped, lambda connection: connection.close())
 
 
 def _reset_after_failure(connection: Connection) -> Connection | None:
@@ -327,7 +353,7 @@ class Database:
             event.listen(self.engine.sync_engine, "begin", _sqlite_on_begin)
         # Single statements (most reads) run outside explicit transactions: each BEGIN and COMMIT
         # is a round trip that a lone SELECT does not need. On SQLite they go to a reader thread
-        # (see _SqliteReader); WAL lets it read alongside the writer.
+        # (see _ConnectionThread); WAL lets it read alongside the writer.
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self._sqlite_reader: _ConnectionThread[Connection] | None = None
         self._sqlite_writer: _ConnectionThread[Connection] | None = None
@@ -474,7 +500,7 @@ class Database:
         await self.engine.dispose()
         for thread in (self._direct, self._sqlite_reader, self._sqlite_writer):
             if thread is not None:
-                await asyncio.get_running_loop().run_in_executor(None, thread.close)
+                await asyncio.get_running_loop().run_in_executor(None, thread.close, CLOSE_TIMEOUT_S)
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

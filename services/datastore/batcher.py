@@ -64,8 +64,9 @@ class IngestionBuffer:
         self.closed = False
         self.submitted = 0
         self.committed = 0
-        # Bytes received and not yet committed (nor failed).
+        # Bytes received and not yet committed (nor failed), and those not yet taken into a batch.
         self.in_flight_bytes = 0
+        self.pending_bytes = 0
         self.failure: Exception | None = None
         # Set whenever `committed`, `closed` or `failure` changes.
         self.progressed = asyncio.Event()
@@ -85,6 +86,7 @@ class IngestionBuffer:
         self._states.append(state)
         self.submitted += 1
         self.in_flight_bytes += len(data)
+        self.pending_bytes += len(data)
         self._batcher.received(len(data))
         self._batcher.schedule(self)
 
@@ -111,7 +113,9 @@ class IngestionBuffer:
             ended=ENDED in changes,
             close=close,
         )
-        return append, sum(len(data) for data in samples)
+        size = sum(len(data) for data in samples)
+        self.pending_bytes -= size
+        return append, size
 
     def stored(self, append: SampleAppend, size: int) -> None:
         self.committed += len(append.samples)
@@ -249,15 +253,18 @@ class SampleBatcher:
 
     async def _pace(self) -> None:
         """Wait until `interval_s` after the previous transaction started, unless a full batch
-        waits or the batcher is stopping."""
+        (by samples or bytes) waits or the batcher is stopping. Not cut short by what arrives
+        meanwhile: it is at most one interval."""
         loop = asyncio.get_running_loop()
         wait = self._last_start + self.interval_s - loop.time()
-        if wait > 0 and not self._stopping and self._waiting_samples() < self.max_samples:
+        if wait > 0 and not self._stopping and not self._full_batch_waits():
             await asyncio.sleep(wait)
         self._last_start = loop.time()
 
-    def _waiting_samples(self) -> int:
-        return sum(buffer.pending for buffer in self._queue)
+    def _full_batch_waits(self) -> bool:
+        samples = sum(buffer.pending for buffer in self._queue)
+        size = sum(buffer.pending_bytes for buffer in self._queue)
+        return samples >= self.max_samples or size >= self.max_bytes
 
     async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend, int]]) -> None:
         if not batch:  # every queued stream had failed

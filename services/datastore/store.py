@@ -142,10 +142,10 @@ class DatastoreStore:
             ), inserted AS (
                 -- The data array holds the samples of every append, one append after the other.
                 INSERT INTO {samples.name} (trial_seq, sample_seq, data)
-                SELECT bumped.trial_seq, bumped.first + d.position - 1 - bumped.data_offset, d.data
-                FROM unnest(%(data)b::bytea[]) WITH ORDINALITY AS d (data, position)
-                JOIN bumped ON d.position > bumped.data_offset
-                    AND d.position <= bumped.data_offset + bumped.added
+                SELECT bumped.trial_seq, bumped.first + k.i - 1, d.data
+                FROM bumped CROSS JOIN LATERAL generate_series(1, bumped.added) AS k (i)
+                JOIN unnest(%(data)b::bytea[]) WITH ORDINALITY AS d (data, position)
+                    ON d.position = bumped.data_offset + k.i
             ), notified AS (
                 -- A CTE with a side effect runs once; nothing to tell when no trial was there.
                 SELECT count(pg_notify(%(channel)s, payload)) AS sent

@@ -163,7 +163,7 @@ async def test_a_steady_flow_shares_transactions_a_sample_after_a_quiet_spell_do
     """At most one transaction starts per interval: samples of two streams arriving a moment
     apart share one, where each would otherwise have had its own."""
     quiet, first, second = [await store.upsert_trial(name, "u", b"", {}, 0) for name in "qfs"]
-    batcher = SampleBatcher(store, interval_s=2.0)
+    batcher = SampleBatcher(store, interval_s=0.5)
     batcher.start()
     buffers = [batcher.open(seq) for seq in (quiet, first, second)]
     buffers[0].add(b"q", NO_STATE)
@@ -177,15 +177,17 @@ async def test_a_steady_flow_shares_transactions_a_sample_after_a_quiet_spell_do
 
 
 async def test_a_full_batch_and_a_stop_do_not_wait_for_the_interval(store: RecordingStore) -> None:
-    seqs = [await store.upsert_trial(name, "u", b"", {}, 0) for name in "abc"]
-    batcher = SampleBatcher(store, max_samples=2, interval_s=3600.0)
+    seqs = [await store.upsert_trial(name, "u", b"", {}, 0) for name in "abcd"]
+    batcher = SampleBatcher(store, max_samples=2, max_bytes=100, interval_s=3600.0)
     batcher.start()
-    first, second, third = (batcher.open(seq) for seq in seqs)
+    first, large, two, last = (batcher.open(seq) for seq in seqs)
     first.add(b"a", NO_STATE)
     await asyncio.wait_for(_committed(first, 1), 30)
-    second.add(b"b0", NO_STATE)
-    second.add(b"b1", NO_STATE)  # a full batch: written within the hour
-    await asyncio.wait_for(_committed(second, 2), 30)
-    third.add(b"c", NO_STATE)
+    large.add(b"x" * 100, NO_STATE)  # a batch full by bytes: written within the hour
+    await asyncio.wait_for(_committed(large, 1), 30)
+    two.add(b"b0", NO_STATE)
+    two.add(b"b1", NO_STATE)  # full by samples
+    await asyncio.wait_for(_committed(two, 2), 30)
+    last.add(b"c", NO_STATE)
     await batcher.stop()  # what was received is written
-    assert (first.committed, second.committed, third.committed) == (1, 2, 1)
+    assert (first.committed, large.committed, two.committed, last.committed) == (1, 1, 2, 1)
