@@ -3,8 +3,9 @@
 Each ingestion stream adds its samples to its own `IngestionBuffer`; one task writes: while a
 transaction runs, samples accumulate; the next transaction takes what every buffer holds, up to
 `max_samples` samples (and about `max_bytes` bytes). Batches are therefore bounded in size, and
-a sample waits at most for the transaction under way plus its own. A buffer's samples are taken
-in order and one transaction runs at a time, so each trial's samples keep their order.
+a sample waits at most for the transaction under way, the interval (below) and its own
+transaction. A buffer's samples are taken in order and one transaction runs at a time, so each
+trial's samples keep their order.
 
 Transactions start at most every `interval_s` (unless a full batch waits): a steady flow of
 samples at the orchestrator's pace (a few hundred a second over many streams) would otherwise
