@@ -14,6 +14,11 @@ are lost, every waiter is woken once it listens (again). SQLite has no notificat
 processes: the local wake-up serves this process, and one task per process watches the file for
 commits of other processes sharing it (`Database.foreign_commits`), waking every waiter when
 there was one.
+
+A `Follower` (an in-memory copy of rows, such as the directory's index) hears every change
+instead: the keys of each commit, `changed(None)` when anything may have changed unheard, and
+`lost()` as soon as the feed stops listening, so that it never serves what it holds as current
+while other replicas' changes go unheard.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from sqlalchemy import text
@@ -42,6 +47,17 @@ LISTEN_CHECK_PERIOD_S = 5.0
 
 
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
+
+
+class Follower(Protocol):
+    """Told of every change, in this process's commits and (through the feed) other replicas'."""
+
+    def changed(self, keys: list[str] | None) -> None:
+        """`keys` changed; None: anything may have (listening began again, or another process
+        committed to a shared SQLite file)."""
+
+    def lost(self) -> None:
+        """The feed stopped listening: other replicas' changes go unheard until `changed(None)`."""
 
 
 class Watch:
@@ -83,6 +99,7 @@ class ChangeFeed:
         self.database = database
         self.channel = channel
         self._watches: dict[str, set[Watch]] = {}
+        self._followers: list[Follower] = []
         self._listener: asyncio.Task[None] | None = None
         self._foreign_commits = Periodic(
             f"watching {channel} for other processes' commits",
@@ -118,6 +135,11 @@ class ChangeFeed:
             self._wake_all()
         self._seen_commits = seen
 
+    def follow(self, follower: Follower) -> None:
+        """Tell `follower` of every change from now on (for the process's lifetime)."""
+        self._followers.append(follower)
+        self._watched.set()
+
     def watch(self, keys: Iterable[str]) -> Watch:
         """Follow `keys` (use as a context manager, so the watch is forgotten)."""
         watch = Watch(self, keys)
@@ -135,15 +157,30 @@ class ChangeFeed:
                     del self._watches[key]
 
     def wake(self, keys: Iterable[str]) -> None:
-        """Wake this process's watches of `keys` (call after the change committed)."""
+        """Wake this process's watches of `keys`, and tell its followers (call after the change
+        committed)."""
+        keys = list(keys)
         for key in keys:
             for watch in self._watches.get(key, ()):
                 watch._set()
+        for follower in self._followers:
+            follower.changed(keys)
 
     def _wake_all(self) -> None:
         for watchers in self._watches.values():
             for watch in watchers:
                 watch._set()
+        for follower in self._followers:
+            follower.changed(None)
+
+    def _lost(self) -> None:
+        for follower in self._followers:
+            follower.lost()
+
+    @property
+    def _heard(self) -> bool:
+        """Whether anyone in this process needs other replicas' changes."""
+        return bool(self._watches or self._followers)
 
     def notify(self, connection: Connection, keys: Iterable[str]) -> None:
         """Tell the other replicas, from inside the writing transaction (PostgreSQL only)."""
@@ -183,6 +220,7 @@ class ChangeFeed:
                     self.listening.set()
                     await self._follow(connection)
             except (psycopg.Error, OSError, asyncio.TimeoutError) as error:
+                self._lost()
                 # Retried often: until it is back, other replicas' writes reach readers late.
                 delay = min(streak.failed(error), MAX_RECONNECT_DELAY_S)
                 self.listening.set()  # start-up must not hang on an unreachable database
@@ -197,13 +235,13 @@ class ChangeFeed:
         listening = False
         while True:
             self._watched.clear()  # before looking: a watch that begins from now on sets it
-            if not self._watches:
+            if not self._heard:
                 if listening:
                     await connection.execute(f'UNLISTEN "{self.channel}"')
                     listening = False
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._watched.wait(), LISTEN_CHECK_PERIOD_S)
-                if not self._watches:
+                if not self._heard:
                     await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
                     continue
             if not listening:
@@ -217,7 +255,7 @@ class ChangeFeed:
                 async for notification in notifications:
                     silent = False
                     self.wake(notification.payload.split(","))
-                    if not self._watches:
+                    if not self._heard:
                         break
             if silent:
                 await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import hmac
 import random
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import Counter
 
 from services.directory.health import HealthChecker
+from services.directory.index import EntrySource, FollowedIndex
 from services.directory.model import COGMENT, CheckTarget, Entry, Inquiry, Registration
 from services.directory.store import DirectoryStore
 from shared.digest import sha256_hex
@@ -62,8 +64,11 @@ class Directory:
         check_on_inquire: bool = False,
         registration_lag_s: int = 0,
         first_check_wait_s: float = DEFAULT_FIRST_CHECK_WAIT_S,
+        index: FollowedIndex | None = None,
     ) -> None:
+        """`index`: inquiries are answered from it while it is current, else from the store."""
         self._store = store
+        self._index = index
         self._checker = checker
         self._secret_key = secret_key
         self.force_permanent = force_permanent
@@ -97,7 +102,13 @@ class Directory:
             # and an endpoint that does not answer is never handed out.
             target = CheckTarget(service_id, registration.endpoint, registration.service_type, 0, 0)
             await self._checker.first_check(target, self.first_check_wait_s)
+        await self._caught_up()
         return service_id, derive_secret(self._secret_key, service_id, nonce)
+
+    async def _caught_up(self) -> None:
+        """Read-your-writes: what this replica wrote is in its index before the answer goes out."""
+        if self._index is not None:
+            await self._index.caught_up()
 
     def _token_digest(self, token: str) -> str:
         return keyed_digest(self._secret_key, sha256_hex(token))
@@ -117,6 +128,7 @@ class Directory:
             deregistrations_total.labels("refused").inc()
             raise PermissionDenied(f"Failed to deregister service ID [{service_id}]: Authentication failure")
         await self._store.remove(service_id)
+        await self._caught_up()
         deregistrations_total.labels("removed").inc()
         log.debug("deregistered", service_id=service_id)
 
@@ -138,12 +150,15 @@ class Directory:
                 return
 
     async def _find(self, inquiry: Inquiry, token_digest: str) -> AsyncIterator[list[Entry]]:
+        source: EntrySource = self._store
+        if self._index is not None and self._index.current:
+            source = self._index
         lowest: int | None = None
         if self.load_balancing and inquiry.service_id is None:
-            lowest = await self._store.lowest_load(inquiry, token_digest)
+            lowest = await source.lowest_load(inquiry, token_digest)
             if lowest is None:
                 return
-        async for found in self._store.find(inquiry, token_digest):
+        async for found in source.find(inquiry, token_digest):
             page = await self._recheck(found) if self.check_on_inquire else found
             if self.load_balancing:
                 page = self._balance(page, lowest)
@@ -171,9 +186,8 @@ class Directory:
             if result is None:
                 kept.append(entry)
             elif result.healthy:
-                if result.load is not None:
-                    entry.load = result.load
-                kept.append(entry)
+                # A new entry: those of the index are shared by every inquiry.
+                kept.append(entry if result.load is None else dataclasses.replace(entry, load=result.load))
         return kept
 
     @staticmethod

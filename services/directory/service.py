@@ -11,12 +11,14 @@ from prometheus_client import Gauge
 
 from services.directory.core import DEFAULT_FIRST_CHECK_WAIT_S, Directory, keyed_digest
 from services.directory.health import HealthChecker
+from services.directory.index import FollowedIndex
 from services.directory.secret_key import directory_key
 from services.directory.servicer import DirectoryServicer
 from services.directory.store import DirectoryStore
 from shared.api import directory_pb2, directory_pb2_grpc
 from shared.config import Option, non_negative_float, non_negative_int, parse_bool, positive_float
 from shared.logging import get_logger
+from shared.notify import ChangeFeed
 from shared.runtime import ServiceRuntime
 from shared.server import Service
 from shared.settings import ServerSettings, server_options
@@ -27,6 +29,8 @@ ENV_PREFIX = "COGMENT_DIRECTORY"
 MAINTENANCE_PERIOD_S = 5.0
 # Refresh the planner's statistics once the number of entries moved this much since the last time.
 STATISTICS_DRIFT = 0.2
+# The PostgreSQL notification channel of entry changes (read by every replica's index).
+CHANGE_CHANNEL = "cogment_directory"
 
 OPTIONS: list[Option] = [
     *server_options(ENV_PREFIX, DEFAULT_PORT),
@@ -109,7 +113,12 @@ class DirectoryService(Service[DirectorySettings]):
 
     def __init__(self, settings: DirectorySettings) -> None:
         super().__init__(settings)
-        self.store = DirectoryStore(self.database)
+        self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
+        self.store = DirectoryStore(self.database, self.feed)
+        # On SQLite every change is heard from the start: this process's own, and other
+        # processes' by polling the file; on PostgreSQL once the feed listens.
+        self.index = FollowedIndex(self.store, listening=not self.database.is_postgresql)
+        self.feed.follow(self.index)
         self.checker = HealthChecker(self.store, settings.health_check_interval)
         self._maintenance = Periodic("directory-maintenance", self._maintain, MAINTENANCE_PERIOD_S)
         # The entry count when the planner's statistics were last refreshed.
@@ -137,6 +146,7 @@ class DirectoryService(Service[DirectorySettings]):
             check_on_inquire=settings.check_on_inquire,
             registration_lag_s=settings.registration_lag,
             first_check_wait_s=settings.registration_check_wait,
+            index=self.index,
         )
         self.directory = directory
 
@@ -148,6 +158,8 @@ class DirectoryService(Service[DirectorySettings]):
 
         runtime.add_status("nb_entries", nb_entries)
         runtime.add_status("load_balancing", load_balancing)
+        await self.feed.start()
+        self.index.start()
         self.checker.start()
         self._maintenance.start()
 
@@ -160,6 +172,8 @@ class DirectoryService(Service[DirectorySettings]):
     async def stop(self) -> None:
         await self.checker.stop()
         await self._maintenance.stop()
+        await self.index.stop()
+        await self.feed.stop()
 
     async def _maintain(self) -> None:
         """Publish the entry gauges and keep the planner's statistics current.

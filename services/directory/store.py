@@ -9,14 +9,15 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import (
     ColumnElement,
     Integer,
     Select,
+    and_,
     bindparam,
     delete,
     func,
@@ -48,6 +49,9 @@ from shared.schema import directory_service_properties as properties_table
 from shared.schema import directory_services as services
 from shared.schema import directory_settings as settings
 
+if TYPE_CHECKING:
+    from shared.notify import ChangeFeed
+
 SECRET_KEY_SETTING = "secret_key"
 # Token digests are keyed (HMAC) once this setting says so (see key_token_digests).
 TOKEN_DIGESTS_SETTING = "token_digests"
@@ -64,6 +68,12 @@ _MOST_RECENT_FIRST = (services.c.registered_at.desc(), services.c.service_id.des
 PAGE_FIRST_ROWS = 16
 PAGE_MAX_ROWS = 1000
 PAGE_BYTES = 4 * 1024 * 1024
+# Rows per query when the in-memory index loads every entry.
+LOAD_PAGE_ROWS = 5000
+# The change-feed key of one entry, and of every entry (a change to all of them): the in-memory
+# index (services.directory.index) re-reads the entries it hears of.
+ENTRY_KEY_PREFIX = "entry:"
+ALL_ENTRIES_KEY = "entries"
 _AFTER_EVERYTHING = 2**63 - 1  # registered_at and service_id are both below it
 _ENTRY_COLUMNS = (
     services.c.service_id,
@@ -80,6 +90,10 @@ _ENTRY_COLUMNS = (
 )
 
 
+def entry_keys(service_ids: Iterable[int]) -> list[str]:
+    return [f"{ENTRY_KEY_PREFIX}{service_id}" for service_id in service_ids]
+
+
 def canonical_properties(properties: dict[str, str]) -> str:
     return json.dumps(properties, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -90,6 +104,24 @@ _VISIBLE = (
     services.c.failed_checks == 0,
     or_(services.c.next_check_at.is_(None), services.c.last_check_at > 0),
 )
+
+
+# The same rule, as a value the in-memory index keeps per entry.
+_IS_VISIBLE = and_(*_VISIBLE)
+_INDEX_COLUMNS = (*_ENTRY_COLUMNS, services.c.token_digest, _IS_VISIBLE)
+
+
+@dataclass(frozen=True)
+class IndexRow:
+    """What the in-memory index keeps of an entry."""
+
+    entry: Entry
+    token_digest: str
+    visible: bool
+
+
+def _index_row(row: Sequence[Any]) -> IndexRow:
+    return IndexRow(_entry(row[:-2]), row[-2], bool(row[-1]))
 
 
 def _service_row(registration: Registration, token_digest: str, now_ns: int) -> dict[str, Any]:
@@ -127,6 +159,21 @@ def _by_id_statement() -> Select[Any]:
         services.c.service_id == bindparam("service_id"),
         services.c.token_digest == bindparam("token"),
         *_VISIBLE,
+    )
+
+
+@functools.cache
+def _index_rows_statement() -> Select[Any]:
+    return select(*_INDEX_COLUMNS).where(services.c.service_id.in_(bindparam("ids", expanding=True)))
+
+
+@functools.cache
+def _load_page_statement() -> Select[Any]:
+    return (
+        select(*_INDEX_COLUMNS)
+        .where(services.c.service_id > bindparam("after"))
+        .order_by(services.c.service_id)
+        .limit(bindparam("rows", type_=Integer))
     )
 
 
@@ -234,8 +281,10 @@ def _entry(row: Sequence[Any]) -> Entry:
 
 
 class DirectoryStore:
-    def __init__(self, database: Database) -> None:
+    def __init__(self, database: Database, feed: ChangeFeed | None = None) -> None:
+        """`feed`: told of every change to an entry (its key: `entry_keys`)."""
         self.db = database
+        self.feed = feed
         self._pending_adds: list[_PendingAdd] = []
         self._add_writer: asyncio.Task[None] | None = None
         # Capped entry counts, with their monotonic expiry: per (name, value), and the last one
@@ -287,9 +336,10 @@ class DirectoryStore:
                     .where(services.c.token_digest == digest)
                     .values(token_digest=keyed(digest))
                 )
+            transaction.changed([ALL_ENTRIES_KEY])
             return len(digests)
 
-        return await self.db.write(write)
+        return await self.db.write(write, self.feed)
 
     async def add(self, registration: Registration, token_digest: str, now_ns: int) -> tuple[int, str, bool]:
         """Store a registration; returns (service id, secret nonce, created).
@@ -369,9 +419,10 @@ class DirectoryStore:
                 transaction.execute(insert(services), new_rows)
             if new_properties:
                 transaction.execute(insert(properties_table), new_properties)
+            transaction.changed(entry_keys(service_id for service_id, _, _ in results))
             return results
 
-        return await self.db.write(write)
+        return await self.db.write(write, self.feed)
 
     @functools.cached_property
     def _upsert_permanent(self) -> Any:
@@ -403,7 +454,14 @@ class DirectoryStore:
 
     async def remove(self, service_id: int) -> bool:
         statement = delete(services).where(services.c.service_id == service_id)
-        return await self.db.write(lambda transaction: bool(transaction.execute(statement).rowcount))
+
+        def write(transaction: Transaction) -> bool:
+            removed = bool(transaction.execute(statement).rowcount)
+            if removed:
+                transaction.changed(entry_keys([service_id]))
+            return removed
+
+        return await self.db.write(write, self.feed)
 
     async def find(self, inquiry: Inquiry, token_digest: str) -> AsyncIterator[list[Entry]]:
         """Healthy entries visible with this token that match the inquiry, most recent first, in
@@ -431,6 +489,22 @@ class DirectoryStore:
                 rows=max(1, min(PAGE_MAX_ROWS, PAGE_BYTES * len(rows) // max(page_bytes, 1))),
             )
             del rows, last  # one page held at a time
+
+    async def index_rows(self, service_ids: Sequence[int]) -> list[IndexRow]:
+        """The entries of these ids that exist, as the in-memory index keeps them."""
+        rows = await self.db.fetch(_index_rows_statement(), {"ids": list(service_ids)})
+        return [_index_row(row) for row in rows]
+
+    async def all_index_rows(self) -> AsyncIterator[list[IndexRow]]:
+        """Every entry, as the in-memory index keeps them, in pages of LOAD_PAGE_ROWS."""
+        after = 0
+        while True:
+            rows = await self.db.fetch(_load_page_statement(), {"after": after, "rows": LOAD_PAGE_ROWS})
+            if rows:
+                yield [_index_row(row) for row in rows]
+            if len(rows) < LOAD_PAGE_ROWS:
+                return
+            after = rows[-1][0]
 
     async def lowest_load(self, inquiry: Inquiry, token_digest: str) -> int | None:
         """The lowest load among the serviceable entries an inquiry by details matches."""
@@ -581,6 +655,7 @@ class DirectoryStore:
                 if failed is not None and failed >= max_failed_checks:
                     transaction.execute(delete(services).where(services.c.service_id == target.service_id))
                     removed.append(target.service_id)
+            transaction.changed(entry_keys(target.service_id for target, _ in results))
             return removed
 
-        return await self.db.write(write)
+        return await self.db.write(write, self.feed)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
+import psycopg
+import pytest
 from sqlalchemy import text
 
 from services.directory.model import CHECK_LEASE_NS, Endpoint, Registration
@@ -12,18 +15,93 @@ from services.directory.store import DirectoryStore
 from shared.db import Database
 from tests.helpers.directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
 from tests.helpers.fake_services import FakeCogmentService
-from tests.helpers.running import make_directory_factory
+from tests.helpers.running import RunningDirectory, make_directory_factory
+
+# How long a change made through one replica may take to reach another's index, at most, here
+# (it takes milliseconds: bench/directory.py measures it).
+PROPAGATION_LIMIT_S = 5.0
+
+
+async def eventually_visible(d: RunningDirectory, expected: list[int], **kwargs: object) -> None:
+    """Inquire until the answer is `expected` (another replica's change propagates)."""
+    deadline = time.monotonic() + PROPAGATION_LIMIT_S
+    while (found := await visible_ids(d, **kwargs)) != expected:
+        assert time.monotonic() < deadline, f"{found} instead of {expected}"
+        await asyncio.sleep(0.01)
 
 
 async def test_an_entry_registered_through_one_replica_is_served_by_another(postgres_url: str) -> None:
     factory = make_directory_factory(postgres_url)
     async with factory() as first, factory() as second:
         (reply,) = await register(first, request(ACTOR, {"shared": "yes"}), token="tok")
-        assert await visible_ids(second, properties={"shared": "yes"}, token="tok") == [reply.service_id]
+        # Read-your-writes on the replica that took it; the others hear of it in milliseconds.
+        assert await visible_ids(first, properties={"shared": "yes"}, token="tok") == [reply.service_id]
+        await eventually_visible(second, [reply.service_id], properties={"shared": "yes"}, token="tok")
         # The secret is derived from a key both replicas share through the database.
         (removed,) = await deregister(second, (reply.service_id, reply.secret), token="tok")
         assert removed.status == OK
-        assert await visible_ids(first, properties={"shared": "yes"}, token="tok") == []
+        assert await visible_ids(second, properties={"shared": "yes"}, token="tok") == []
+        await eventually_visible(first, [], properties={"shared": "yes"}, token="tok")
+
+
+async def test_a_failing_health_check_hides_the_entry_on_every_replica(postgres_url: str) -> None:
+    factory = make_directory_factory(postgres_url)
+    service = await FakeCogmentService("ServiceActorSP").start()
+    stopped = False
+    try:
+        async with factory("--health_check_interval", "0.3") as first, factory() as second:
+            (sid,) = await register_ok(
+                first, request(ACTOR, protocol=GRPC, host="127.0.0.1", port=service.port)
+            )
+            await eventually_visible(second, [sid], service_type=ACTOR)
+            await service.stop()
+            stopped = True
+            # Whichever replica checks it, both stop handing it out.
+            await eventually_visible(first, [], service_type=ACTOR)
+            await eventually_visible(second, [], service_type=ACTOR)
+    finally:
+        if not stopped:
+            await service.stop()
+
+
+async def test_a_replica_that_stops_hearing_changes_answers_from_the_database(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    factory = make_directory_factory(postgres_url)
+    async with factory() as first, factory() as second:
+        await eventually_current(second)
+        # The listening connections break, and cannot be made again for now.
+        reconnecting = asyncio.Event()
+        real_connect = psycopg.AsyncConnection.connect
+
+        async def refused(*args: Any, **kwargs: Any) -> Any:
+            if not reconnecting.is_set():
+                raise psycopg.OperationalError("refused by the test")
+            return await real_connect(*args, **kwargs)
+
+        monkeypatch.setattr(psycopg.AsyncConnection, "connect", refused)
+        terminate = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
+        await first.service.database.fetch(text(terminate))
+        deadline = time.monotonic() + PROPAGATION_LIMIT_S
+        while second.service.index.current:
+            assert time.monotonic() < deadline, "the index did not notice"
+            await asyncio.sleep(0.01)
+        # A change the second replica is not told of: it sees it at once all the same.
+        (sid,) = await register_ok(first, request(ACTOR, {"while": "deaf"}))
+        assert await visible_ids(second, properties={"while": "deaf"}) == [sid]
+        # Listening again, it reloads and answers from memory again, current.
+        reconnecting.set()
+        await eventually_current(second)
+        assert await visible_ids(second, properties={"while": "deaf"}) == [sid]
+        (reply,) = await register(first, request(ACTOR, {"while": "hearing"}))
+        await eventually_visible(second, [reply.service_id], properties={"while": "hearing"})
+
+
+async def eventually_current(d: RunningDirectory) -> None:
+    deadline = time.monotonic() + PROPAGATION_LIMIT_S
+    while not d.service.index.current:
+        assert time.monotonic() < deadline, "the index is not current"
+        await asyncio.sleep(0.01)
 
 
 async def test_concurrent_permanent_registrations_through_replicas_make_one_entry(postgres_url: str) -> None:

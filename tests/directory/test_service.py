@@ -445,7 +445,9 @@ async def test_an_unexpected_error_is_internal_and_the_server_keeps_serving(
         raise RuntimeError("a detail for the logs only")
         yield []  # an async generator, as `find` is: the error comes from iterating it
 
+    # Whichever answers: the in-memory index, or the store when the index is not current.
     monkeypatch.setattr(directory.service.store, "find", broken)
+    monkeypatch.setattr(directory.service.index, "find", broken)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await inquire(directory, service_id=1)
     assert error.value.code() == grpc.StatusCode.INTERNAL

@@ -1,0 +1,118 @@
+"""The in-memory index answers every inquiry as the store's SQL does, on the same entries."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.directory.index import PAGE_ENTRIES, EntryIndex, FollowedIndex
+from services.directory.model import (
+    COGMENT,
+    GRPC,
+    UNKNOWN_SERVICE,
+    CheckResult,
+    CheckTarget,
+    Endpoint,
+    Inquiry,
+    Registration,
+)
+from services.directory.store import DirectoryStore
+from shared.db import Database
+from shared.notify import ChangeFeed
+
+TYPES = [UNKNOWN_SERVICE, 3, 4]  # UNKNOWN_SERVICE in an inquiry: any type
+properties = st.dictionaries(st.sampled_from("abc"), st.sampled_from("xy"), max_size=3)
+# Each registration: its type, properties, token, whether it is health-checked, and its checks
+# (None: never checked; True/False: the outcome of its last check).
+registrations = st.lists(
+    st.tuples(
+        st.sampled_from(TYPES[1:]),
+        properties,
+        st.sampled_from(["t1", "t2"]),
+        st.booleans(),
+        st.sampled_from([None, True, False]),
+    ),
+    max_size=12,
+)
+inquiries = st.lists(
+    st.tuples(st.sampled_from(TYPES), properties, st.sampled_from(["t1", "t2"])), min_size=1, max_size=6
+)
+examples = itertools.count()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[DirectoryStore]:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'index.db'}")
+    await database.migrate()
+    yield DirectoryStore(database)
+    await database.close()
+
+
+async def sql_answer(store: DirectoryStore, inquiry: Inquiry, token: str) -> list[int]:
+    return [entry.service_id for page in [p async for p in store.find(inquiry, token)] for entry in page]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(registrations, inquiries)
+async def test_the_index_answers_as_the_database(
+    store: DirectoryStore,
+    registrations: list[tuple[int, dict[str, str], str, bool, bool | None]],
+    inquiries: list[tuple[int, dict[str, str], str]],
+) -> None:
+    example = next(examples)  # tokens of their own: earlier examples' entries stay out of sight
+    ids = []
+    for service_type, props, token, checked, outcome in registrations:
+        endpoint = Endpoint(GRPC if checked else COGMENT, "127.0.0.1", 1)
+        registration = Registration(endpoint, service_type, props, permanent=False)
+        service_id, _, _ = await store.add(registration, f"{example}{token}", time.time_ns())
+        ids.append(service_id)
+        if checked and outcome is not None:
+            target = CheckTarget(service_id, endpoint, service_type, 0, 0)
+            await store.record_checks([(target, CheckResult(outcome, 7))], time.time_ns(), 0, 3)
+    index = EntryIndex()
+    for row in await store.index_rows(ids):
+        index.put(row)
+    for service_type, props, token in inquiries:
+        inquiry = Inquiry(service_type=service_type, properties=props)
+        answer = [entry.service_id for entry in index.matches(inquiry, f"{example}{token}")]
+        assert answer == await sql_answer(store, inquiry, f"{example}{token}")
+    for service_id in ids:  # by id, with its token and another
+        for token in ("t1", "t2"):
+            inquiry = Inquiry(service_id=service_id)
+            answer = [entry.service_id for entry in index.matches(inquiry, f"{example}{token}")]
+            assert answer == await sql_answer(store, inquiry, f"{example}{token}")
+    for service_id in ids:  # and removed, nothing is left behind
+        index.discard(service_id)
+    assert not any(
+        index.matches(Inquiry(service_type=t), f"{example}{k}") for t in TYPES for k in ("t1", "t2")
+    )
+
+
+async def test_the_followed_index_holds_what_was_written_and_pages_wide_answers(tmp_path: Path) -> None:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'index.db'}")
+    await database.migrate()
+    feed = ChangeFeed(database, "test")
+    store = DirectoryStore(database, feed)
+    index = FollowedIndex(store, listening=True)
+    feed.follow(index)
+    index.start()
+    try:
+        registration = Registration(Endpoint(COGMENT, "a", 1), 3, {"wide": "yes"}, permanent=False)
+        added = [await store.add(registration, "t", time.time_ns()) for _ in range(PAGE_ENTRIES + 5)]
+        await index.caught_up()
+        assert index.current
+        pages = [page async for page in index.find(Inquiry(properties={"wide": "yes"}), "t")]
+        assert [len(page) for page in pages] == [PAGE_ENTRIES, 5]
+        assert {entry.service_id for page in pages for entry in page} == {sid for sid, _, _ in added}
+        await store.remove(added[0][0])
+        await index.caught_up()
+        assert len(index.index) == PAGE_ENTRIES + 4
+    finally:
+        await index.stop()
+        await database.close()
