@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Protocol
@@ -44,6 +45,8 @@ MAX_RECONNECT_DELAY_S = 0.5
 # How long the listening connection may stay silent before it is checked: a connection the network
 # dropped without a word would otherwise leave every waiter asleep.
 LISTEN_CHECK_PERIOD_S = 5.0
+# Begins the last key of a payload, naming the process that sent it.
+ORIGIN_MARK = "@"
 
 
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
@@ -107,6 +110,9 @@ class ChangeFeed:
             SQLITE_POLL_PERIOD_S,
         )
         self._seen_commits: int | None = None
+        # Ends this process's payloads: its own notifications come back to it, and are skipped
+        # (its watchers and followers were told once the change committed, by `wake`).
+        self.origin = f"{ORIGIN_MARK}{secrets.token_hex(8)}"
         self.listening = asyncio.Event()
         # Set when a watch begins: the listener LISTENs only while there are watches.
         self._watched = asyncio.Event()
@@ -189,21 +195,21 @@ class ChangeFeed:
         for payload in self.payloads(keys):
             connection.execute(_NOTIFY, {"channel": self.channel, "payload": payload})
 
-    @staticmethod
-    def payloads(keys: Iterable[str]) -> list[str]:
+    def payloads(self, keys: Iterable[str]) -> list[str]:
         """The `pg_notify` payloads telling of `keys` (also for a statement that notifies itself):
-        comma-joined keys, split under PostgreSQL's payload limit."""
+        comma-joined keys, split under PostgreSQL's payload limit, each ending with this
+        process's origin (a key nobody watches: releases that do not know it ignore it)."""
         payloads: list[str] = []
         batch: list[str] = []
-        size = 0
+        size = len(self.origin) + 1
         for key in dict.fromkeys(keys):
             if batch and size + len(key) + 1 > MAX_PAYLOAD:
-                payloads.append(",".join(batch))
-                batch, size = [], 0
+                payloads.append(",".join([*batch, self.origin]))
+                batch, size = [], len(self.origin) + 1
             batch.append(key)
             size += len(key) + 1
         if batch:
-            payloads.append(",".join(batch))
+            payloads.append(",".join([*batch, self.origin]))
         return payloads
 
     async def _listen(self) -> None:
@@ -254,7 +260,12 @@ class ChangeFeed:
             ) as notifications:
                 async for notification in notifications:
                     silent = False
-                    self.wake(notification.payload.split(","))
+                    keys = notification.payload.split(",")
+                    if keys[-1].startswith(ORIGIN_MARK):
+                        if keys[-1] == self.origin:
+                            continue
+                        keys.pop()
+                    self.wake(keys)
                     if not self._heard:
                         break
             if silent:

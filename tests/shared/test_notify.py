@@ -4,7 +4,7 @@ and after the listening connection was lost."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -164,7 +164,55 @@ async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str)
 
 
 def test_payloads_stay_under_postgresqls_limit() -> None:
+    feed = ChangeFeed(Database("sqlite+aiosqlite:///unused.db"), "test")
     keys = [f"trial:{index}" for index in range(3000)]
-    payloads = ChangeFeed.payloads(keys + keys[:10])
+    payloads = feed.payloads(keys + keys[:10])
     assert len(payloads) > 1 and all(len(payload) < 8000 for payload in payloads)
-    assert [key for payload in payloads for key in payload.split(",")] == keys
+    # Each ends with the origin: the sender skips its own notifications.
+    assert all(payload.split(",")[-1] == feed.origin for payload in payloads)
+    assert [key for payload in payloads for key in payload.split(",")[:-1]] == keys
+
+
+class RecordingFollower:
+    def __init__(self) -> None:
+        self.heard: list[list[str] | None] = []
+        self.lost_count = 0
+
+    def changed(self, keys: list[str] | None) -> None:
+        self.heard.append(keys)
+
+    def lost(self) -> None:
+        self.lost_count += 1
+
+
+async def test_followers_hear_each_commit_once_and_others_through_notifications(postgres_url: str) -> None:
+    databases = [Database(postgres_url) for _ in range(2)]
+    feeds = [ChangeFeed(database, "test") for database in databases]
+    followers = [RecordingFollower() for _ in feeds]
+    try:
+        for feed, follower in zip(feeds, followers, strict=True):
+            feed.follow(follower)
+            await feed.start()
+        for follower in followers:  # listening began: anything may have changed before
+            await _eventually(lambda follower=follower: follower.heard == [None])
+        await _notify(databases[0], feeds[0], ["entry:1", "entry:2"])
+        # The other replica hears it through PostgreSQL, the origin mark left out...
+        await _eventually(lambda: followers[1].heard == [None, ["entry:1", "entry:2"]])
+        # ...and the writer once, when it committed, not again when its own notification comes
+        # back (the other replica's notification, sent after it, is heard: the writer's was before).
+        await _notify(databases[1], feeds[1], ["entry:3"])
+        await _eventually(lambda: followers[0].heard == [None, ["entry:1", "entry:2"], ["entry:3"]])
+        assert followers[0].lost_count == followers[1].lost_count == 0
+    finally:
+        for feed in feeds:
+            await feed.stop()
+        for database in databases:
+            await database.close()
+
+
+async def _eventually(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not within 5 s")
