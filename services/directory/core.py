@@ -17,7 +17,7 @@ from prometheus_client import Counter
 from services.directory.health import HealthChecker
 from services.directory.index import EntrySource, FollowedIndex
 from services.directory.model import COGMENT, CheckTarget, Entry, Inquiry, Registration
-from services.directory.store import DirectoryStore
+from services.directory.store import DirectoryStore, IndexRow
 from shared.digest import sha256_hex
 from shared.errors import NotFound, PermissionDenied
 from shared.load import UNSERVICEABLE
@@ -84,9 +84,9 @@ class Directory:
             registration = Registration(
                 registration.endpoint, registration.service_type, registration.properties, permanent=True
             )
-        service_id, nonce, created = await self._store.add(
-            registration, self._token_digest(token), time.time_ns()
-        )
+        token_digest = self._token_digest(token)
+        registered_at = time.time_ns()
+        service_id, nonce, created = await self._store.add(registration, token_digest, registered_at)
         registrations_total.labels("created" if created else "updated").inc()
         log.debug(
             "registered",
@@ -102,7 +102,21 @@ class Directory:
             # and an endpoint that does not answer is never handed out.
             target = CheckTarget(service_id, registration.endpoint, registration.service_type, 0, 0)
             await self._checker.first_check(target, self.first_check_wait_s)
-        await self._caught_up()
+            await self._caught_up()
+        elif created and not registration.permanent and self._index is not None:
+            # A new entry nothing else can have changed yet (its id is not out, nobody checks
+            # it): into the index as written, without reading it back.
+            entry = Entry(
+                service_id,
+                registration.endpoint,
+                registration.service_type,
+                registration.properties,
+                permanent=False,
+                registered_at=registered_at,
+            )
+            self._index.put_new(IndexRow(entry, token_digest, visible=True))
+        else:
+            await self._caught_up()  # a permanent entry, maybe changed in place by others too
         return service_id, derive_secret(self._secret_key, service_id, nonce)
 
     async def _caught_up(self) -> None:

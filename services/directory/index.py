@@ -58,6 +58,9 @@ class EntryIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, service_id: int) -> bool:
+        return service_id in self._entries
+
     def put(self, row: IndexRow) -> None:
         self.discard(row.entry.service_id)
         service_id = row.entry.service_id
@@ -150,6 +153,9 @@ class FollowedIndex:
         self._listening = listening
         self._reload = True
         self._pending: set[int] = set()
+        # New entries put in as written (`put_new`), kept until they are read back: a reload
+        # that read the table before they were committed must not drop them meanwhile.
+        self._new: dict[int, IndexRow] = {}
         # Callers of `caught_up`, released once what was pending when they came is applied.
         self._waiters: list[asyncio.Future[None]] = []
         self._work = asyncio.Event()
@@ -214,6 +220,13 @@ class FollowedIndex:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def put_new(self, row: IndexRow) -> None:
+        """A new entry this replica just committed (and heard of: its id is pending), put in at
+        once. Only for an entry nobody else can have changed since (see Directory.register)."""
+        if self.current:
+            self.index.put(row)
+            self._new[row.entry.service_id] = row
+
     # ---- the applier ----
 
     async def _apply_forever(self) -> None:
@@ -250,14 +263,23 @@ class FollowedIndex:
                     self.index.discard(service_id)
                 else:
                     self.index.put(row)
+                self._new.pop(service_id, None)
 
     async def _reload_all(self) -> None:
         self._reload = False
         listening = self._listening
-        self._pending.clear()  # the reload reads them too
+        # What was committed before now, the reload reads; what commits from now on is pending
+        # again, or put in as new (the reload may have read its part of the table before it).
+        self._pending.clear()
+        self._new.clear()
         fresh = EntryIndex()
         async for rows in self._store.all_index_rows():
             for row in rows:
+                fresh.put(row)
+        for service_id, row in list(self._new.items()):
+            if service_id in fresh:
+                del self._new[service_id]
+            else:
                 fresh.put(row)
         self.index = fresh
         # Current only if the feed listened all along: a change during the reload may have
