@@ -289,11 +289,12 @@ class Transaction:
         """`connection.execute`: its CursorResult."""
         return self.connection.execute(statement, parameters)
 
-    def changed(self, keys: Iterable[str]) -> None:
-        """What this transaction changes: watchers of `keys` look again once it commits."""
+    def changed(self, keys: Iterable[str], *, elsewhere: Iterable[str] = ()) -> None:
+        """What this transaction changes: watchers of `keys` look again once it commits; of
+        `elsewhere`, only other replicas' (this process updates itself)."""
         keys = list(keys)
         if self._feed is not None:
-            self._feed.notify(self.connection, keys)
+            self._feed.notify(self.connection, [*keys, *elsewhere])
         self.changed_keys.extend(keys)
 
 

@@ -19,6 +19,7 @@ Consistency (see the README's "Directory consistency"):
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -64,9 +65,10 @@ class EntryIndex:
     def put(self, row: IndexRow) -> None:
         self.discard(row.entry.service_id)
         service_id = row.entry.service_id
-        self._entries[service_id] = _Indexed(row.entry, row.token_digest, row.visible)
-        self._by_token.setdefault(row.token_digest, set()).add(service_id)
-        self._by_token_type.setdefault((row.token_digest, row.entry.service_type), set()).add(service_id)
+        token_digest = sys.intern(row.token_digest)  # a few tokens, one copy each
+        self._entries[service_id] = _Indexed(row.entry, token_digest, row.visible)
+        self._by_token.setdefault(token_digest, set()).add(service_id)
+        self._by_token_type.setdefault((token_digest, row.entry.service_type), set()).add(service_id)
         for pair in row.entry.properties.items():
             self._by_pair.setdefault(pair, set()).add(service_id)
 
@@ -153,9 +155,10 @@ class FollowedIndex:
         self._listening = listening
         self._reload = True
         self._pending: set[int] = set()
-        # New entries put in as written (`put_new`), kept until they are read back: a reload
-        # that read the table before they were committed must not drop them meanwhile.
+        # New entries put in as written (`put_new`) during a reload, which may have read their
+        # part of the table before they were committed: the reload keeps them.
         self._new: dict[int, IndexRow] = {}
+        self._reloading = False
         # Callers of `caught_up`, released once what was pending when they came is applied.
         self._waiters: list[asyncio.Future[None]] = []
         self._work = asyncio.Event()
@@ -221,11 +224,14 @@ class FollowedIndex:
                 waiter.set_result(None)
 
     def put_new(self, row: IndexRow) -> None:
-        """A new entry this replica just committed (and heard of: its id is pending), put in at
-        once. Only for an entry nobody else can have changed since (see Directory.register)."""
-        if self.current:
-            self.index.put(row)
-            self._new[row.entry.service_id] = row
+        """A new entry this replica just committed, put in as written: only for an entry nobody
+        else can have changed since, which the store does not mark as changed here (see
+        Directory.register and DirectoryStore.add)."""
+        if not self.current:
+            return  # the reload to come reads it
+        self.index.put(row)
+        if self._reloading:
+            self._new[row.entry.service_id] = row  # the reload may have read its rows before
 
     # ---- the applier ----
 
@@ -263,24 +269,26 @@ class FollowedIndex:
                     self.index.discard(service_id)
                 else:
                     self.index.put(row)
-                self._new.pop(service_id, None)
 
     async def _reload_all(self) -> None:
         self._reload = False
         listening = self._listening
         # What was committed before now, the reload reads; what commits from now on is pending
-        # again, or put in as new (the reload may have read its part of the table before it).
+        # again, or put in as new.
         self._pending.clear()
         self._new.clear()
         fresh = EntryIndex()
-        async for rows in self._store.all_index_rows():
-            for row in rows:
+        self._reloading = True
+        try:
+            async for rows in self._store.all_index_rows():
+                for row in rows:
+                    fresh.put(row)
+        finally:
+            self._reloading = False
+        for service_id, row in self._new.items():
+            if service_id not in fresh and service_id not in self._pending:  # not since removed
                 fresh.put(row)
-        for service_id, row in list(self._new.items()):
-            if service_id in fresh:
-                del self._new[service_id]
-            else:
-                fresh.put(row)
+        self._new.clear()
         self.index = fresh
         # Current only if the feed listened all along: a change during the reload may have
         # been missed otherwise (`lost` then cleared `_listening`, and a new reload is due).

@@ -419,7 +419,16 @@ class DirectoryStore:
                 transaction.execute(insert(services), new_rows)
             if new_properties:
                 transaction.execute(insert(properties_table), new_properties)
-            transaction.changed(entry_keys(service_id for service_id, _, _ in results))
+            # A new entry of an unchecked kind goes into this replica's index as written
+            # (Directory.register): only the other replicas need to read it.
+            written = [
+                (pending.registration.permanent or pending.registration.health_checked or not created, sid)
+                for pending, (sid, _, created) in zip(batch, results, strict=True)
+            ]
+            transaction.changed(
+                entry_keys(sid for read_back, sid in written if read_back),
+                elsewhere=entry_keys(sid for read_back, sid in written if not read_back),
+            )
             return results
 
         return await self.db.write(write, self.feed)
