@@ -100,9 +100,12 @@ WORKER_GRACE_S = 30.0
 # A client stops early after this many errors in a row (e.g. the server died).
 MAX_CONSECUTIVE_ERRORS = 100
 
-TARGET_REGISTRATIONS_PER_S = 1000.0
-TARGET_RATIO = 0.5
+TARGET_REGISTRATIONS_PER_S = 1500.0
+TARGET_RATIO = 0.8
 TARGET_P99_MS = 10.0
+# Replicas: how many registrations through the first are timed until another answers them.
+PROPAGATION_SAMPLES = 100
+TARGET_PROPAGATION_MS = 50.0
 
 D = directory_pb2
 # (service type, weight): mostly actors and environments, a few of every other kind.
@@ -384,7 +387,12 @@ async def worker_main() -> int:
     config: dict[str, Any] = json.loads(await lines.get())
     role = config["role"]
     clients = config["clients"]  # this worker's client numbers
-    channels = [grpc.aio.insecure_channel(config["address"], options=CHANNEL_OPTIONS) for _ in clients]
+    # Client n talks to replica n mod N (registrations: to the first replica only).
+    addresses = config["addresses"] if role == "inquire" else config["addresses"][:1]
+    channels = [
+        grpc.aio.insecure_channel(addresses[client % len(addresses)], options=CHANNEL_OPTIONS)
+        for client in clients
+    ]
     try:
         await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels)), READY_TIMEOUT_S)
         groups = build_groups(
@@ -487,6 +495,42 @@ async def bare_main() -> int:
 # ---- the orchestrator ----
 
 
+def propagation(replicas: list[Child], token: str) -> dict[str, float | None]:
+    """Register PROPAGATION_SAMPLES entries through the first replica, one at a time, each timed
+    from its Register reply until the next replica's first inquiry that answers it (inquiries
+    back to back: the figure includes up to one inquiry's round trip)."""
+    with (
+        grpc.insecure_channel(replicas[0].address) as first,
+        grpc.insecure_channel(replicas[1].address) as second,
+    ):
+        register = first.stream_stream(
+            REGISTER,
+            request_serializer=D.RegisterRequest.SerializeToString,
+            response_deserializer=D.RegisterReply.FromString,
+        )
+        inquire = second.unary_stream(
+            INQUIRE,
+            request_serializer=D.InquireRequest.SerializeToString,
+            response_deserializer=D.InquireReply.FromString,
+        )
+        delays_us = []
+        for number in range(PROPAGATION_SAMPLES):
+            details = D.ServiceDetails(type=D.OTHER_SERVICE, properties={"propagation": f"{token}-{number}"})
+            endpoint = D.ServiceEndpoint(protocol=D.ServiceEndpoint.COGMENT, host="client", port=0)
+            request = D.RegisterRequest(endpoint=endpoint, details=details)
+            (reply,) = register(iter([request]), metadata=metadata(token), timeout=RPC_TIMEOUT_S)
+            registered = time.perf_counter()
+            if reply.status != D.RegisterReply.OK:
+                raise RuntimeError(f"propagation: registration failed: {reply.error_msg}")
+            while not list(
+                inquire(D.InquireRequest(details=details), metadata=metadata(token), timeout=RPC_TIMEOUT_S)
+            ):
+                if time.perf_counter() - registered > RPC_TIMEOUT_S:
+                    raise RuntimeError("propagation: the other replica never answered the registration")
+            delays_us.append(int((time.perf_counter() - registered) * 1e6))
+    return latency_summary(delays_us)
+
+
 def status_value(address: str, name: str) -> str | None:
     with grpc.insecure_channel(address) as channel:
         method = channel.unary_unary(
@@ -505,14 +549,14 @@ def split_clients(total: int, procs: int) -> list[list[int]]:
 
 
 def run_workers(
-    plan: Plan, server: Child, label: str, config: dict[str, Any], total_clients: int, span_s: float
+    plan: Plan, servers: list[Child], label: str, config: dict[str, Any], total_clients: int, span_s: float
 ) -> dict[str, Any]:
     """Run one phase on `--client_procs` workers: returns their merged results and the CPU use
-    of the server and the workers over the measured window."""
+    of the servers (all together) and the workers over the measured window."""
     args = plan.args
     base = {
         "label": label,
-        "address": server.address,
+        "addresses": [server.address for server in servers],
         "token": plan.token,
         "services": args.services,
         "seed": args.seed,
@@ -546,7 +590,9 @@ def run_workers(
         def cpu_sample() -> tuple[float, float | None, float | None]:
             worker_cpus = [w.cpu_seconds() for w in workers]
             total = None if None in worker_cpus else sum(c for c in worker_cpus if c is not None)
-            return time.time(), server.cpu_seconds(), total
+            server_cpus = [server.cpu_seconds() for server in servers]
+            server_total = None if None in server_cpus else sum(c for c in server_cpus if c is not None)
+            return time.time(), server_total, total
 
         time.sleep(max(0.0, measure_from - time.time()))
         first = cpu_sample()
@@ -587,12 +633,12 @@ def run_workers(
     return merged
 
 
-def inquiry_phase(plan: Plan, server: Child, label: str, check_results: bool) -> dict[str, Any]:
+def inquiry_phase(plan: Plan, servers: list[Child], label: str, check_results: bool) -> dict[str, Any]:
     args = plan.args
     clients = args.inquire_clients
     raw = run_workers(
         plan,
-        server,
+        servers,
         label,
         {
             "role": "inquire",
@@ -639,7 +685,7 @@ def write_phase(plan: Plan, server: Child, role: str, outcomes: list[list[Any]] 
     }
     if outcomes is not None:
         config["outcomes"] = outcomes
-    raw = run_workers(plan, server, role, config, clients, config["stream_timeout"])
+    raw = run_workers(plan, [server], role, config, clients, config["stream_timeout"])
     seconds = raw["window"][1] - raw["window"][0]
     done = len(raw["latencies_us"])
     failed = sum(raw["errors"].values())
@@ -666,7 +712,9 @@ def print_summary(report: dict[str, Any]) -> None:
     out = sys.stdout
     reg = report["register"]
     print("", file=out)
-    print(f"Directory benchmark ({report['database']}, {report['cpus']})", file=out)
+    replicas = report["args"]["replicas"]
+    spread = f", {replicas} replicas (inquiries spread, CPU summed)" if replicas > 1 else ""
+    print(f"Directory benchmark ({report['database']}, {report['cpus']}{spread})", file=out)
     print("", file=out)
     rows = [("phase", "count", "seconds", "rate/s", "p50 ms", "p99 ms", "errors", "srv CPU", "cli CPU")]
     for name, phase in (("register", reg), ("deregister", report.get("deregister"))):
@@ -722,12 +770,23 @@ def print_summary(report: dict[str, Any]) -> None:
         f"mark) {report['directory_peak_rss_mib']} MiB",
         file=out,
     )
+    propagation = report.get("propagation_ms")
+    if propagation:
+        print(
+            f"propagation to another replica ({PROPAGATION_SAMPLES} registrations): "
+            f"p50 {fmt(propagation['p50'])} ms, p99 {fmt(propagation['p99'])} ms, "
+            f"max {fmt(propagation['max'])} ms",
+            file=out,
+        )
     targets = report["targets"]
     for name, value, target, better in (
         ("registrations/s", reg["per_s"], TARGET_REGISTRATIONS_PER_S, "min"),
         ("throughput directory/bare", report["ratio"], TARGET_RATIO, "min"),
         ("directory inquiry p99 ms", d["latency_ms"]["p99"], TARGET_P99_MS, "max"),
+        ("propagation p99 ms", (propagation or {}).get("p99"), TARGET_PROPAGATION_MS, "max"),
     ):
+        if name not in targets:
+            continue
         verdict = targets.get(name)
         sign = ">=" if better == "min" else "<="
         print(f"{name:28} {fmt(value):>10}   target {sign} {target:g}: {verdict}", file=out)
@@ -793,6 +852,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max_inquiries", type=int, default=2_000_000, help="bound on inquiries per phase (all clients)"
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="directories sharing the (PostgreSQL) database: registrations go to the first, "
+        "inquiry clients are spread over all, and the delay until another replica answers a "
+        "registration is measured",
+    )
     parser.add_argument("--seed", type=int, default=20240601)
     parser.add_argument("--no_pin", action="store_true", help="do not pin server and clients to CPUs")
     parser.add_argument("--skip_bare", action="store_true", help="no baseline run")
@@ -802,6 +869,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.services < 1 or args.register_clients < 1 or args.inquire_clients < 1 or args.client_procs < 1:
         parser.error("counts must be positive")
+    if args.replicas < 1 or (args.replicas > 1 and not (args.database_url or "").startswith("postgresql")):
+        parser.error("--replicas: at least 1, and more only on a PostgreSQL --database_url")
     if args.duration <= 0 or args.warmup < 0 or args.inquire_rate < 0:
         parser.error("--duration must be positive, --warmup and --inquire_rate not negative")
     return args
@@ -832,7 +901,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "grpc": grpc.__version__,
         "args": vars(args),
     }
-    directory = start_server(plan, "directory", command)
+    replicas = [
+        start_server(plan, f"directory-{n}" if n else "directory", command) for n in range(args.replicas)
+    ]
+    directory = replicas[0]
     address = directory.address
     report["directory_rss_start_mib"] = round((vm_rss(directory.process.pid) or 0) / MiB, 1)
     entries_before = int(status_value(address, "nb_entries") or 0)
@@ -848,19 +920,22 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         f"registered at {register['per_s']:,.0f}/s; inquiring for {args.warmup + args.duration:g} s...",
         file=sys.stderr,
     )
-    report["inquire_directory"] = inquiry_phase(plan, directory, "inquire-directory", check_results=True)
+    report["inquire_directory"] = inquiry_phase(plan, replicas, "inquire-directory", check_results=True)
+    if len(replicas) > 1:
+        report["propagation_ms"] = propagation(replicas, plan.token)
     if args.deregister:
         report["deregister"] = write_phase(plan, directory, "deregister", outcomes)
     report["directory_peak_rss_mib"] = round((vm_hwm(directory.process.pid) or 0) / MiB, 1)
-    report["server_problems"] = len(directory.problems)
-    report["server_problem_sample"] = [p.get("event") for p in directory.problems[:5]]
-    report["directory_exit_status"] = directory.stop()
+    problems = [problem for replica in replicas for problem in replica.problems]
+    report["server_problems"] = len(problems)
+    report["server_problem_sample"] = [p.get("event") for p in problems[:5]]
+    report["directory_exit_status"] = max(replica.stop() or 0 for replica in replicas)
     report["inquire_bare"] = None
     if not args.skip_bare:
         print("bare grpc.aio baseline...", file=sys.stderr)
         bare = start_server(plan, "bare", [sys.executable, str(SCRIPT), "_bare"])
         try:
-            report["inquire_bare"] = inquiry_phase(plan, bare, "inquire-bare", check_results=False)
+            report["inquire_bare"] = inquiry_phase(plan, [bare], "inquire-bare", check_results=False)
         finally:
             bare.stop()
     d, b = report["inquire_directory"], report["inquire_bare"]
@@ -878,6 +953,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "met" if (d["latency_ms"]["p99"] or math.inf) <= TARGET_P99_MS else "missed"
         ),
     }
+    if "propagation_ms" in report:
+        propagation_p99 = report["propagation_ms"]["p99"] or math.inf
+        report["targets"]["propagation p99 ms"] = (
+            "met" if propagation_p99 <= TARGET_PROPAGATION_MS else "missed"
+        )
     return report
 
 
