@@ -7,10 +7,11 @@ Commands:
   ended: the caption of the table gives the next handle).
 * `delete_trials ID...` (alias `delete`): delete trials, saying how many were stored and which ids
   were not (not an error).
-* `export ID... [--file PATH]`: write the samples of trials to a trial export file (format in
-  `services.datastore.trial_file`); standard output without `--file` or with `--file -`. Trials
-  without samples are left out; ongoing trials are cut at the samples they had when the export
-  started.
+* `export ID... [--file PATH] [--format cogment|parquet]`: write the samples of trials to a trial
+  export file (format in `services.datastore.trial_file`); standard output without `--file` or
+  with `--file -`. Trials without samples are left out; ongoing trials are cut at the samples they
+  had when the export started. `--format parquet` writes a training dataset into the directory
+  `--file` names instead (`services.datastore.dataset`).
 * `import [--file PATH] [--prefix P] [--user_id U]`: create the trials of an export file (standard
   input without `--file` or with `--file -`) with ids prefixed by P, owned by U (default
   `cogment CLI`), and add their samples. Nothing is imported if one of these ids exists.
@@ -45,12 +46,13 @@ import os
 import stat
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import grpc
 
+from services.datastore import dataset
 from services.datastore.trial_file import TrialFileError, TrialFileReader, TrialFileWriter, file_header
 from shared.api import common_pb2, trial_datastore_pb2, trial_datastore_pb2_grpc
 from shared.cli import (
@@ -93,6 +95,14 @@ WRITE_BUFFER_BYTES = 1024 * 1024
 # Stored samples can exceed gRPC's 4 MiB default (the datastore expands rewards and payloads).
 MAX_RECEIVE_MESSAGE_BYTES = -1
 MAX_UINT32 = 2**32 - 1
+# What a Parquet export reads first of each trial: its late rewards (services.datastore.dataset).
+REWARD_FIELDS = (
+    trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_REWARD,
+    trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_RECEIVED_REWARDS,
+)
+# Export formats: the reference's trial file, or a directory of Parquet files.
+TRIAL_FILE_FORMAT = "cogment"
+PARQUET_FORMAT = "parquet"
 
 # ---- option value parsers ----
 
@@ -131,7 +141,20 @@ LIST_OPTIONS: list[Option] = [
     Option("from", "handle of the first trial to retrieve (the next trial handle of a previous list)", ""),
 ]  # fmt: skip
 EXPORT_OPTIONS: list[Option] = [
-    Option("file", f"file to write (default or '{STDIO}': standard output)", ""),
+    Option(
+        "file",
+        f"file to write (default or '{STDIO}': standard output); with --format {PARQUET_FORMAT}, "
+        "the directory to write the dataset's files into (created if need be)",
+        "",
+    ),
+    Option(
+        "format",
+        f"'{TRIAL_FILE_FORMAT}': the reference's trial export file; '{PARQUET_FORMAT}': a training "
+        "dataset, steps.parquet and trials.parquet (README: Trials as training data)",
+        TRIAL_FILE_FORMAT,
+        parse=str.lower,
+        choices=[TRIAL_FILE_FORMAT, PARQUET_FORMAT],
+    ),
     PROGRESS_OPTION,
 ]
 IMPORT_OPTIONS: list[Option] = [
@@ -271,12 +294,14 @@ async def run_export(context: DatastoreContext) -> None:
     }
     if not counts:
         raise ClientError("no samples to export for selected trials")
-    header = file_header({trial_id: infos[trial_id].params for trial_id in counts})
     progress = make_progress(
         f"Exporting {len(counts)} trials", sum(counts.values()), SAMPLES, values, context.err
     )
-
     target: str = values["file"]
+    if values["format"] == PARQUET_FORMAT:
+        await run_dataset_export(context, infos, counts, target, progress)
+        return
+    header = file_header({trial_id: infos[trial_id].params for trial_id in counts})
     if target in ("", STDIO):
         sink = binary_stream(context.out, "standard output")
         try:
@@ -319,11 +344,69 @@ async def run_export(context: DatastoreContext) -> None:
         print(message, file=context.out)
 
 
+async def run_dataset_export(
+    context: DatastoreContext,
+    infos: Mapping[str, trial_datastore_pb2.StoredTrialInfo],
+    counts: Mapping[str, int],
+    target: str,
+    progress: Progress,
+) -> None:
+    if target in ("", STDIO):
+        raise ClientError(f"--format {PARQUET_FORMAT} writes a directory: give it with --file")
+    directory = Path(target)
+    try:
+        samples, rows = await export_dataset(context.client, infos, counts, directory, progress)
+    except OSError as error:
+        raise ClientError(f"cannot write [{directory}]: {error.strerror or error}") from None
+    message = f'{len(counts)} trials exported to "{directory}" ({samples} samples, {rows} step rows)'
+    if context.json:
+        output = {
+            "message": message,
+            "trial_ids": list(counts),
+            "directory": str(directory),
+            "samples_count": samples,
+            "step_rows": rows,
+        }
+        print(json.dumps(output), file=context.out)
+    else:
+        print(message, file=context.out)
+
+
 def remove_partial_file(path: Path) -> None:
     """Remove what a failed export wrote, unless the target is not a regular file (a pipe...)."""
     with contextlib.suppress(OSError):
         if stat.S_ISREG(path.lstat().st_mode):
             path.unlink()
+
+
+async def counted_samples(
+    client: DatastoreClient, counts: Mapping[str, int], fields: Sequence[int] = ()
+) -> AsyncGenerator[trial_datastore_pb2.StoredTrialSample, None]:
+    """The first `counts[trial]` samples of each trial, as the datastore sends them (`fields`:
+    only these sample fields; none: all)."""
+    remaining = dict(counts)
+    request = trial_datastore_pb2.RetrieveSamplesRequest(
+        trial_ids=list(counts),
+        selected_sample_fields=fields,  # type: ignore[arg-type]
+    )
+    call = client.stub.RetrieveSamples(request)
+    try:
+        while remaining:
+            reply = await client.within_timeout(call.read(), call)
+            if reply is grpc.aio.EOF:
+                return  # every trial ended, with fewer samples than the datastore counted
+            assert isinstance(reply, trial_datastore_pb2.RetrieveSampleReply)
+            sample = reply.trial_sample
+            left = remaining.get(sample.trial_id, 0)
+            if not left:
+                continue
+            if left == 1:
+                del remaining[sample.trial_id]
+            else:
+                remaining[sample.trial_id] = left - 1
+            yield sample
+    finally:
+        call.cancel()  # ongoing trials: stop following them
 
 
 async def export_samples(
@@ -335,32 +418,66 @@ async def export_samples(
 ) -> int:
     """Write the header, then the first `counts[trial]` samples of each trial; the number written."""
     writer.write_header(header)
-    remaining = dict(counts)
     written = 0
-    call = client.stub.RetrieveSamples(trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=list(counts)))
     completed = False
     try:
-        while remaining:
-            reply = await client.within_timeout(call.read(), call)
-            if reply is grpc.aio.EOF:
-                break  # every trial ended, with fewer samples than the datastore counted
-            assert isinstance(reply, trial_datastore_pb2.RetrieveSampleReply)
-            sample = reply.trial_sample
-            left = remaining.get(sample.trial_id, 0)
-            if not left:
-                continue
-            writer.write_sample(sample)
-            written += 1
-            progress.advance(1)
-            if left == 1:
-                del remaining[sample.trial_id]
-            else:
-                remaining[sample.trial_id] = left - 1
+        async with contextlib.aclosing(counted_samples(client, counts)) as samples:
+            async for sample in samples:
+                writer.write_sample(sample)
+                written += 1
+                progress.advance(1)
         completed = True
     finally:
-        call.cancel()  # ongoing trials: stop following them
         progress.close(completed)
     return written
+
+
+async def export_dataset(
+    client: DatastoreClient,
+    infos: Mapping[str, trial_datastore_pb2.StoredTrialInfo],
+    counts: Mapping[str, int],
+    directory: Path,
+    progress: Progress,
+) -> tuple[int, int]:
+    """Write the Parquet dataset of the first `counts[trial]` samples of each trial into
+    `directory` (services.datastore.dataset); (samples read, step rows written). The files
+    appear once complete; a failed export leaves none."""
+    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+    steps = await asyncio.to_thread(dataset.StepsWriter, dataset.partial(directory / dataset.STEPS_FILE))
+    trials: list[dataset.TrialSteps] = []
+    completed = False
+    try:
+        for trial_id, count in counts.items():
+            late = dataset.LateRewards()
+            async with contextlib.aclosing(
+                counted_samples(client, {trial_id: count}, REWARD_FIELDS)
+            ) as rewards:
+                async for sample in rewards:
+                    late.read(sample)
+            trial = dataset.TrialSteps(trial_id, infos[trial_id], late)
+            stepper = dataset.TrialStepper(trial, steps)
+            async with contextlib.aclosing(counted_samples(client, {trial_id: count})) as samples:
+                async for sample in samples:
+                    stepper.add(sample)
+                    progress.advance(1)
+                    if steps.full:
+                        await asyncio.to_thread(steps.flush)
+            stepper.finish()
+            trials.append(trial)
+        await asyncio.to_thread(steps.close)
+        await asyncio.to_thread(
+            dataset.write_trials, dataset.partial(directory / dataset.TRIALS_FILE), trials
+        )
+        await asyncio.to_thread(dataset.publish, directory)
+        completed = True
+    finally:
+        progress.close(completed)
+        if not completed:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(steps.close)
+            for name in (dataset.STEPS_FILE, dataset.TRIALS_FILE):
+                remove_partial_file(dataset.partial(directory / name))
+    return sum(trial.samples for trial in trials), steps.rows
 
 
 async def run_import(context: DatastoreContext) -> None:

@@ -1,0 +1,302 @@
+"""Trials as a columnar dataset: the rows of the Parquet export (`client export --format parquet`).
+
+A trial becomes one row per tick and actor in `steps.parquet`, and one row in `trials.parquet`;
+the README's "Trials as training data" describes every column. Rows are built from the stored
+samples as `RetrieveSamples` serves them, in order, and written in row groups, so an export holds
+one row group and one sample in memory whatever the dataset's size.
+
+Late rewards: the orchestrator sends a reward for a past tick as a separate (out-of-sync) sample
+naming that tick, stored after later ticks' samples. A sample whose tick is not after the last
+tick already seen is such a sample: its rewards are folded into the rows of the tick it names
+(added to `reward`, appended to `received_rewards`), and it makes no row of its own. Since the
+named tick may have been written already, an export reads each trial's rewards first
+(`LateRewards`, rewards only), then its samples.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shared.api import common_pb2, trial_datastore_pb2
+
+STEPS_FILE = "steps.parquet"
+TRIALS_FILE = "trials.parquet"
+PARTIAL_SUFFIX = ".partial"
+# A row group is written once it holds this many rows or this many bytes of payloads.
+ROW_GROUP_ROWS = 65_536
+ROW_GROUP_BYTES = 64 * 1024 * 1024
+
+_REWARD = pa.struct(
+    [
+        ("sender", pa.int32()),
+        ("value", pa.float32()),
+        ("confidence", pa.float32()),
+        ("user_data", pa.binary()),
+    ]
+)
+_MESSAGE = pa.struct([("sender", pa.int32()), ("payload", pa.binary())])
+STEPS_SCHEMA = pa.schema(
+    [
+        ("trial_id", pa.string()),
+        ("tick_id", pa.uint64()),
+        ("timestamp", pa.uint64()),
+        ("actor", pa.uint32()),
+        ("actor_name", pa.string()),
+        ("actor_class", pa.string()),
+        ("actor_implementation", pa.string()),
+        ("observation", pa.binary()),
+        ("action", pa.binary()),
+        ("reward", pa.float32()),
+        ("received_rewards", pa.list_(_REWARD)),
+        ("received_messages", pa.list_(_MESSAGE)),
+        ("is_first", pa.bool_()),
+        ("is_last", pa.bool_()),
+        ("is_terminal", pa.bool_()),
+        ("state", pa.string()),
+    ]
+)
+TRIALS_SCHEMA = pa.schema(
+    [
+        ("trial_id", pa.string()),
+        ("user_id", pa.string()),
+        ("state", pa.string()),
+        ("ended", pa.bool_()),
+        ("samples", pa.uint64()),
+        ("ticks", pa.uint64()),
+        ("properties", pa.map_(pa.string(), pa.string())),
+        (
+            "actors",
+            pa.list_(
+                pa.struct(
+                    [("name", pa.string()), ("actor_class", pa.string()), ("implementation", pa.string())]
+                )
+            ),
+        ),
+        ("params", pa.binary()),
+    ]
+)
+
+Reward = dict[str, Any]  # a `_REWARD` struct
+
+
+def state_name(state: int) -> str:
+    try:
+        return common_pb2.TrialState.Name(state)  # type: ignore[arg-type]
+    except ValueError:
+        return str(state)
+
+
+def _payload(sample: trial_datastore_pb2.StoredTrialSample, index: int) -> bytes | None:
+    return sample.payloads[index] if index < len(sample.payloads) else None
+
+
+def _rewards(
+    sample: trial_datastore_pb2.StoredTrialSample, actor: trial_datastore_pb2.StoredTrialActorSample
+) -> list[Reward]:
+    return [
+        {
+            "sender": reward.sender,
+            "value": reward.reward,
+            "confidence": reward.confidence,
+            "user_data": _payload(sample, reward.user_data) if reward.HasField("user_data") else None,
+        }
+        for reward in actor.received_rewards
+    ]
+
+
+class TickOrder:
+    """Tells a trial's samples of new ticks from its late rewards (samples of a past tick)."""
+
+    def __init__(self) -> None:
+        self._last_tick: int | None = None
+
+    def is_late(self, sample: trial_datastore_pb2.StoredTrialSample) -> bool:
+        if self._last_tick is not None and sample.tick_id <= self._last_tick:
+            return True
+        self._last_tick = sample.tick_id
+        return False
+
+
+@dataclass
+class LateRewards:
+    """A trial's late rewards, by (tick, actor index): their sum and each of them."""
+
+    sums: dict[tuple[int, int], float] = field(default_factory=dict)
+    rewards: dict[tuple[int, int], list[Reward]] = field(default_factory=dict)
+    _order: TickOrder = field(default_factory=TickOrder)
+
+    def read(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
+        """Keep the rewards of `sample` if it is a late one (samples in stored order)."""
+        if not self._order.is_late(sample):
+            return
+        for actor in sample.actor_samples:
+            key = (sample.tick_id, actor.actor)
+            if actor.HasField("reward"):
+                self.sums[key] = self.sums.get(key, 0.0) + actor.reward
+            received = _rewards(sample, actor)
+            if received:
+                self.rewards.setdefault(key, []).extend(received)
+
+
+class StepsWriter:
+    """Writes `steps.parquet` in row groups, trial after trial."""
+
+    def __init__(self, path: Path) -> None:
+        self._writer = pq.ParquetWriter(path, STEPS_SCHEMA)
+        self._columns: dict[str, list[Any]] = {name: [] for name in STEPS_SCHEMA.names}
+        self._bytes = 0
+        self.rows = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self._columns["trial_id"]) >= ROW_GROUP_ROWS or self._bytes >= ROW_GROUP_BYTES
+
+    def flush(self) -> None:
+        """Write what is held as a row group (a blocking write: off the event loop)."""
+        if self._columns["trial_id"]:
+            self._writer.write_table(pa.Table.from_pydict(self._columns, schema=STEPS_SCHEMA))
+            for values in self._columns.values():
+                values.clear()
+            self._bytes = 0
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.close()
+
+    def add_tick(
+        self,
+        trial: TrialSteps,
+        sample: trial_datastore_pb2.StoredTrialSample,
+        *,
+        is_last: bool,
+        is_terminal: bool,
+    ) -> None:
+        """The rows of one tick's sample, one per actor of the trial."""
+        columns = self._columns
+        by_index = {actor.actor: actor for actor in sample.actor_samples}
+        state = state_name(sample.state)
+        for index, (name, actor_class, implementation) in enumerate(trial.actors):
+            actor = by_index.get(index)
+            observation = action = reward = None
+            rewards: list[Reward] = []
+            messages: list[dict[str, Any]] = []
+            if actor is not None:
+                if actor.HasField("observation"):
+                    observation = _payload(sample, actor.observation)
+                if actor.HasField("action"):
+                    action = _payload(sample, actor.action)
+                if actor.HasField("reward"):
+                    reward = actor.reward
+                rewards = _rewards(sample, actor)
+                messages = [
+                    {"sender": message.sender, "payload": _payload(sample, message.payload)}
+                    for message in actor.received_messages
+                ]
+            key = (sample.tick_id, index)
+            late_sum = trial.late.sums.get(key)
+            if late_sum is not None:
+                reward = late_sum if reward is None else reward + late_sum
+            rewards += trial.late.rewards.get(key, [])
+            columns["trial_id"].append(trial.trial_id)
+            columns["tick_id"].append(sample.tick_id)
+            columns["timestamp"].append(sample.timestamp)
+            columns["actor"].append(index)
+            columns["actor_name"].append(name)
+            columns["actor_class"].append(actor_class)
+            columns["actor_implementation"].append(implementation)
+            columns["observation"].append(observation)
+            columns["action"].append(action)
+            columns["reward"].append(reward)
+            columns["received_rewards"].append(rewards)
+            columns["received_messages"].append(messages)
+            columns["is_first"].append(trial.ticks == 0)
+            columns["is_last"].append(is_last)
+            columns["is_terminal"].append(is_terminal)
+            columns["state"].append(state)
+            self._bytes += len(observation or b"") + len(action or b"")
+            self.rows += 1
+        trial.ticks += 1
+
+
+@dataclass
+class TrialSteps:
+    """One trial being exported: what its rows need, and what its `trials.parquet` row says."""
+
+    trial_id: str
+    info: trial_datastore_pb2.StoredTrialInfo
+    late: LateRewards
+    ticks: int = 0  # ticks written
+    samples: int = 0  # stored samples read (late rewards included)
+
+    @property
+    def actors(self) -> list[tuple[str, str, str]]:
+        return [(a.name, a.actor_class, a.implementation) for a in self.info.params.actors]
+
+    @property
+    def ended(self) -> bool:
+        """Whether the trial had ended when the export started (its last sample is then in)."""
+        return self.info.last_state == common_pb2.ENDED
+
+
+class TrialStepper:
+    """Feeds one trial's samples, in stored order, to a StepsWriter: a tick's rows are written
+    once the next tick comes (or the trial's samples end), to know whether it is the last."""
+
+    def __init__(self, trial: TrialSteps, writer: StepsWriter) -> None:
+        self.trial = trial
+        self._writer = writer
+        self._order = TickOrder()
+        self._held: trial_datastore_pb2.StoredTrialSample | None = None
+
+    def add(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
+        self.trial.samples += 1
+        if self._order.is_late(sample):
+            return  # folded into its tick (LateRewards)
+        if self._held is not None:
+            self._writer.add_tick(self.trial, self._held, is_last=False, is_terminal=False)
+        self._held = sample
+
+    def finish(self) -> None:
+        if self._held is not None:
+            ended = self.trial.ended
+            self._writer.add_tick(self.trial, self._held, is_last=True, is_terminal=ended)
+            self._held = None
+
+
+def write_trials(path: Path, trials: Iterable[TrialSteps]) -> None:
+    """`trials.parquet`: one row per exported trial."""
+    rows = [
+        {
+            "trial_id": trial.trial_id,
+            "user_id": trial.info.user_id,
+            "state": state_name(trial.info.last_state),
+            "ended": trial.ended,
+            "samples": trial.samples,
+            "ticks": trial.ticks,
+            "properties": list(trial.info.params.properties.items()),
+            "actors": [
+                {"name": name, "actor_class": actor_class, "implementation": implementation}
+                for name, actor_class, implementation in trial.actors
+            ],
+            "params": trial.info.params.SerializeToString(deterministic=True),
+        }
+        for trial in trials
+    ]
+    pq.write_table(pa.Table.from_pylist(rows, schema=TRIALS_SCHEMA), path)
+
+
+def partial(path: Path) -> Path:
+    return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def publish(directory: Path) -> None:
+    """Move the finished files in place (each rename is atomic: a reader sees a whole file)."""
+    for name in (STEPS_FILE, TRIALS_FILE):
+        os.replace(partial(directory / name), directory / name)

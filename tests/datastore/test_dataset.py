@@ -1,0 +1,198 @@
+"""The Parquet export (`client export --format parquet`): trials ingested through DatalogSP, then
+exported, read back with pyarrow and compared with rows computed directly from the stored samples."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from services.datastore import dataset
+from services.datastore.client import main
+from shared.api import common_pb2, datalog_pb2
+from shared.api import trial_datastore_pb2 as ds
+from tests.helpers.datastore import (
+    ACTORS,
+    datalog_inputs,
+    datalog_sample,
+    read_samples,
+    run_datalog,
+    trial_params,
+)
+from tests.helpers.running import RunningDatastore
+
+
+async def export(d: RunningDatastore, *args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["export", *args, "--format", "parquet", "--endpoint", f"grpc://127.0.0.1:{d.service.port}"]
+    code = await asyncio.to_thread(main, argv, {}, out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def expected_steps(trial_id: str, samples: list[ds.StoredTrialSample], ended: bool) -> list[dict[str, Any]]:
+    """The rows, computed plainly: every sample of a tick not seen before is a step; every other
+    sample's rewards go to the tick it names."""
+    late: dict[tuple[int, int], list[ds.StoredTrialActorSample]] = {}
+    steps: list[ds.StoredTrialSample] = []
+    seen: set[int] = set()
+    for sample in samples:
+        if steps and sample.tick_id <= max(seen):
+            for actor in sample.actor_samples:
+                late.setdefault((sample.tick_id, actor.actor), []).append((sample, actor))  # type: ignore[arg-type]
+        else:
+            seen.add(sample.tick_id)
+            steps.append(sample)
+    rows = []
+    for position, sample in enumerate(steps):
+        for index, (name, actor_class, implementation) in enumerate(ACTORS):
+            (actor,) = [a for a in sample.actor_samples if a.actor == index]
+
+            def payload(s: ds.StoredTrialSample, i: int) -> bytes:
+                return s.payloads[i]
+
+            rewards = [
+                {
+                    "sender": r.sender,
+                    "value": r.reward,
+                    "confidence": r.confidence,
+                    "user_data": payload(sample, r.user_data) if r.HasField("user_data") else None,
+                }
+                for r in actor.received_rewards
+            ]
+            reward = actor.reward if actor.HasField("reward") else None
+            for late_sample, late_actor in late.get((sample.tick_id, index), []):  # type: ignore[misc]
+                if late_actor.HasField("reward"):
+                    reward = (reward or 0.0) + late_actor.reward
+                rewards += [
+                    {
+                        "sender": r.sender,
+                        "value": r.reward,
+                        "confidence": r.confidence,
+                        "user_data": payload(late_sample, r.user_data) if r.HasField("user_data") else None,
+                    }
+                    for r in late_actor.received_rewards
+                ]
+            last = position == len(steps) - 1
+            rows.append(
+                {
+                    "trial_id": trial_id,
+                    "tick_id": sample.tick_id,
+                    "timestamp": sample.timestamp,
+                    "actor": index,
+                    "actor_name": name,
+                    "actor_class": actor_class,
+                    "actor_implementation": implementation,
+                    "observation": payload(sample, actor.observation)
+                    if actor.HasField("observation")
+                    else None,
+                    "action": payload(sample, actor.action) if actor.HasField("action") else None,
+                    "reward": reward,
+                    "received_rewards": rewards,
+                    "received_messages": [
+                        {"sender": m.sender, "payload": payload(sample, m.payload)}
+                        for m in actor.received_messages
+                    ],
+                    "is_first": position == 0,
+                    "is_last": last,
+                    "is_terminal": last and ended,
+                    "state": common_pb2.TrialState.Name(sample.state),
+                }
+            )
+    return rows
+
+
+def rewarded(tick: int, state: int = common_pb2.RUNNING) -> datalog_pb2.DatalogSample:
+    return datalog_sample(tick, state, reward=0.5 + tick)
+
+
+async def test_trials_export_as_steps_with_late_rewards_folded_in(
+    datastore: RunningDatastore, tmp_path: Path
+) -> None:
+    # "ended": 6 ticks, late rewards for ticks 1 and 4 (one after the last tick); "cut": the
+    # stream closes before the trial ends (interrupted).
+    ended = [rewarded(tick) for tick in range(3)]
+    ended += [datalog_sample(1, out_of_sync=True, reward=7.0)]
+    ended += [rewarded(tick) for tick in range(3, 5)]
+    ended += [rewarded(5, common_pb2.ENDED), datalog_sample(4, out_of_sync=True, reward=2.0)]
+    await run_datalog(datastore, "ended", ended, trial_params(kind="demo"))
+    await run_datalog(datastore, "cut", [rewarded(tick) for tick in range(4)])
+    target = tmp_path / "dataset"
+    code, out, err = await export(datastore, "ended", "cut", "--file", str(target))
+    assert code == 0, err
+    assert out == f'2 trials exported to "{target}" (12 samples, 30 step rows)\n'
+    assert sorted(path.name for path in target.iterdir()) == ["steps.parquet", "trials.parquet"]
+
+    rows = pq.read_table(target / "steps.parquet").to_pylist()
+    stored = {trial_id: await read_samples(datastore, [trial_id]) for trial_id in ("ended", "cut")}
+    expected = expected_steps("ended", stored["ended"], ended=True)
+    expected += expected_steps("cut", stored["cut"], ended=False)
+    assert rows == expected
+    # The late rewards are in their ticks' rows (bob receives them from alice).
+    bob = {row["tick_id"]: row for row in rows if row["trial_id"] == "ended" and row["actor_name"] == "bob"}
+    assert bob[1]["reward"] == pytest.approx(1.5 + 7.0) and len(bob[1]["received_rewards"]) == 2
+    assert bob[4]["reward"] == pytest.approx(4.5 + 2.0)
+    assert [row["is_terminal"] for row in rows if row["is_last"]] == [True] * 3 + [False] * 3
+
+    trials = pq.read_table(target / "trials.parquet").to_pylist()
+    assert [(t["trial_id"], t["state"], t["ended"], t["samples"], t["ticks"]) for t in trials] == [
+        ("ended", "ENDED", True, 8, 6),
+        ("cut", "RUNNING", False, 4, 4),
+    ]
+    assert trials[0]["properties"] == [("kind", "demo")]
+    assert [a["name"] for a in trials[0]["actors"]] == [name for name, _, _ in ACTORS]
+    assert common_pb2.TrialParams.FromString(trials[0]["params"]) == trial_params(kind="demo")
+
+
+async def test_a_live_trial_is_cut_where_the_export_started(
+    datastore: RunningDatastore, tmp_path: Path
+) -> None:
+    call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"),))
+    inputs = datalog_inputs(trial_params(), [rewarded(tick) for tick in range(8)])
+    for message in inputs[:6]:  # the parameters and 5 samples
+        await call.write(message)
+        await call.read()
+    target = tmp_path / "dataset"
+    code, _, err = await export(datastore, "live", "--file", str(target))
+    assert code == 0, err
+    for message in inputs[6:]:
+        await call.write(message)
+        await call.read()
+    await call.done_writing()
+    rows = pq.read_table(target / "steps.parquet").to_pylist()
+    assert sorted({row["tick_id"] for row in rows}) == [0, 1, 2, 3, 4]
+    assert [row["is_terminal"] for row in rows if row["is_last"]] == [False] * len(ACTORS)
+
+
+async def test_a_failed_export_leaves_no_files(datastore: RunningDatastore, tmp_path: Path) -> None:
+    await run_datalog(datastore, "t", [rewarded(tick) for tick in range(3)])
+    code, _, err = await export(datastore, "t")
+    assert code == 1 and "--format parquet writes a directory" in err
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    code, _, err = await export(datastore, "t", "--file", str(blocked / "dataset"))
+    assert code == 1 and err.startswith("Error: cannot write")
+    assert not await asyncio.to_thread(lambda: list(tmp_path.glob("**/*.parquet*")))
+
+
+def test_rows_are_written_in_bounded_row_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dataset, "ROW_GROUP_ROWS", 10)
+    path = tmp_path / "steps.parquet"
+    writer = dataset.StepsWriter(path)
+    info = ds.StoredTrialInfo(trial_id="t", last_state=common_pb2.ENDED, params=trial_params())
+    trial = dataset.TrialSteps("t", info, dataset.LateRewards())
+    stepper = dataset.TrialStepper(trial, writer)
+    for tick in range(20):
+        sample = ds.StoredTrialSample(trial_id="t", tick_id=tick, payloads=[b"x" * 100])
+        sample.actor_samples.add(actor=0, observation=0)
+        stepper.add(sample)
+        if writer.full:
+            writer.flush()
+    stepper.finish()
+    writer.close()
+    metadata = pq.ParquetFile(path).metadata
+    assert metadata.num_rows == 60 and metadata.num_row_groups >= 5
+    assert all(metadata.row_group(i).num_rows <= 12 for i in range(metadata.num_row_groups))
