@@ -77,7 +77,7 @@ from shared.cli import (
     to_json,
 )
 from shared.config import Option
-from shared.endpoints import GrpcEndpoint
+from shared.endpoints import GrpcEndpoint, parse_grpc_endpoint
 
 DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9003)
 DEFAULT_IMPORT_USER_ID = "cogment CLI"
@@ -283,17 +283,7 @@ async def run_delete_trials(context: DatastoreContext) -> None:
 
 async def run_export(context: DatastoreContext) -> None:
     client, values = context.client, context.values
-    trial_ids = list(dict.fromkeys(values["trial_ids"]))
-    infos = await client.trial_infos(trial_ids)
-    missing = [trial_id for trial_id in trial_ids if trial_id not in infos]
-    if missing:
-        raise ClientError(f"trials {id_list(missing)} not found")
-    # The counts known now: samples added later to ongoing trials are not exported.
-    counts = {
-        trial_id: infos[trial_id].samples_count for trial_id in trial_ids if infos[trial_id].samples_count
-    }
-    if not counts:
-        raise ClientError("no samples to export for selected trials")
+    infos, counts = await export_selection(client, values["trial_ids"])
     progress = make_progress(
         f"Exporting {len(counts)} trials", sum(counts.values()), SAMPLES, values, context.err
     )
@@ -370,6 +360,41 @@ async def run_dataset_export(
         print(json.dumps(output), file=context.out)
     else:
         print(message, file=context.out)
+
+
+async def export_selection(
+    client: DatastoreClient, trial_ids: Iterable[str]
+) -> tuple[dict[str, trial_datastore_pb2.StoredTrialInfo], dict[str, int]]:
+    """The trials to export, and how many samples of each: those they have now (samples added
+    later to ongoing trials are not exported), trials without samples left out. A ClientError if
+    one is unknown, or none has samples."""
+    unique = list(dict.fromkeys(trial_ids))
+    infos = await client.trial_infos(unique)
+    missing = [trial_id for trial_id in unique if trial_id not in infos]
+    if missing:
+        raise ClientError(f"trials {id_list(missing)} not found")
+    counts = {trial_id: infos[trial_id].samples_count for trial_id in unique if infos[trial_id].samples_count}
+    if not counts:
+        raise ClientError("no samples to export for selected trials")
+    return infos, counts
+
+
+async def download_dataset(
+    endpoint: str, trial_ids: Sequence[str], directory: Path, timeout_s: float = 30.0
+) -> tuple[int, int]:
+    """`export --format parquet` as a library call (the training reader's source): the dataset of
+    these trials, stored or live (cut where the call starts), written into `directory`;
+    (samples read, step rows written). Failures raise ClientError, whose message says why, as
+    the command line's would."""
+    client = DatastoreClient(parse_grpc_endpoint(endpoint), timeout_s)
+    try:
+        infos, counts = await export_selection(client, trial_ids)
+        progress = Progress("", sum(counts.values()), None, SAMPLES)
+        return await export_dataset(client, infos, counts, directory, progress)
+    except grpc.aio.AioRpcError as error:
+        raise ClientError(client.describe_rpc_error(error, "export")) from error
+    finally:
+        await client.close()
 
 
 def remove_partial_file(path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Training batches from an exported dataset (`client export --format parquet`): D4RL-style
-arrays, trajectory views with shifts, n-step returns, and replay-buffer sampling, as numpy arrays.
+"""Training batches from an exported dataset (`client export --format parquet`) or straight from
+a datastore: D4RL-style arrays, trajectory views with shifts, n-step returns, and replay-buffer
+sampling, as numpy arrays.
 
 One rule for every view (the README's "From trials to training batches"): an episode is one
 actor of one trial, its steps are the trial's ticks in order. An episode of N steps gives N - 1
@@ -13,11 +14,15 @@ episode, with a validity mask saying so.
                                      decode_observation=lambda b: np.frombuffer(b, np.float32))
     arrays = data.d4rl()
     batch = data.sample(256, seed=0, views={"frames": ("observation", "-3:0")})
+    live = TrainingData.from_datastore("grpc://127.0.0.1:9003", ["trial-1"], actor_classes=["player"])
 """
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from services.datastore.client import download_dataset
 from services.datastore.dataset import STEPS_FILE
 
 Decoder = Callable[[bytes], Any]
@@ -198,6 +204,37 @@ class TrainingData:
             decode_observation,
             decode_action,
         )
+
+    @classmethod
+    def from_datastore(
+        cls,
+        endpoint: str,
+        trial_ids: Sequence[str],
+        *,
+        timeout_s: float = 30.0,
+        actor_classes: Sequence[str] = (),
+        actor_names: Sequence[str] = (),
+        actor_implementations: Sequence[str] = (),
+        decode_observation: Decoder | None = None,
+        decode_action: Decoder | None = None,
+    ) -> TrainingData:
+        """`from_parquet` of these trials read from a datastore (`grpc://host:port`) through
+        RetrieveSamples: stored trials, and live ones as far as they are when the call starts.
+        Blocks until they are read (a notebook's event loop included); failures raise
+        services.datastore.client.ClientError."""
+        with tempfile.TemporaryDirectory(prefix="cogment-dataset-") as directory:
+            download = download_dataset(endpoint, trial_ids, Path(directory), timeout_s)
+            # Its own event loop in its own thread: the caller's thread may be running one.
+            with ThreadPoolExecutor(1) as thread:
+                thread.submit(asyncio.run, download).result()
+            return cls.from_parquet(
+                directory,
+                actor_classes=actor_classes,
+                actor_names=actor_names,
+                actor_implementations=actor_implementations,
+                decode_observation=decode_observation,
+                decode_action=decode_action,
+            )
 
     def __len__(self) -> int:
         """The number of transitions."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import itertools
 import json
 import pathlib
@@ -28,9 +29,11 @@ from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import grpc
+import pyarrow.parquet as pq
 import pytest
 from google.protobuf import any_pb2, wrappers_pb2
 
+from services.datastore.client import main as client_main
 from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds
@@ -630,6 +633,67 @@ async def test_sdk_reads_every_sample_of_finished_trials_in_order(
                 assert actor["action"]["error"]["type"] == "CogmentError"
     # The SDK refuses to read without trial infos, before calling anything.
     assert report["no_infos"]["error"]["type"] == "CogmentError"
+
+
+async def test_the_parquet_export_agrees_with_the_sdks_view_of_the_same_trials(
+    datastore: RunningDatastore, sdk_python: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    report = await _read_sample_trials(datastore, sdk_python, tmp_path)
+    sdk_samples = by_trial(report["plain"]["samples"])
+    target = tmp_path / "dataset"
+    out, err = io.StringIO(), io.StringIO()
+    argv = [
+        "export",
+        *SAMPLE_TRIALS,
+        "--format",
+        "parquet",
+        "--file",
+        str(target),
+        "--endpoint",
+        _endpoint(datastore),
+    ]
+    assert await asyncio.to_thread(client_main, argv, {}, out, err) == 0, err.getvalue()
+    rows = pq.read_table(target / "steps.parquet").to_pylist()
+
+    def sender(index: int) -> str:
+        return ENVIRONMENT_SEEN_BY_SDK if index == -1 else ACTOR_NAMES[index]
+
+    def hex_or_none(data: bytes | None) -> str | None:
+        return None if data is None else data.hex()
+
+    seen = []
+    for row in rows:
+        samples = sdk_samples[row["trial_id"]]
+        [sample] = [s for s in samples if s["tick_id"] == row["tick_id"]]
+        actor = sample["actors"][row["actor_name"]]
+        seen.append((row["trial_id"], row["tick_id"], row["actor_name"]))
+        assert (row["timestamp"], row["state"]) == (sample["timestamp"], sample["state"])
+        assert (row["is_first"], row["is_last"]) == (sample is samples[0], sample is samples[-1])
+        assert hex_or_none(row["observation"]) == actor["observation_serialized"]
+        assert hex_or_none(row["action"]) == actor["action_serialized"]
+        assert (row["reward"] or 0.0) == actor["reward"]
+        assert [
+            (sender(r["sender"]), r["value"], r["confidence"], hex_or_none(r["user_data"]))
+            for r in row["received_rewards"]
+        ] == [
+            (r["sender"], r["value"], r["confidence"], r["user_data"] and r["user_data"]["serialized"])
+            for r in actor["received_rewards"]
+        ]
+        assert [sender(m["sender"]) for m in row["received_messages"]] == [
+            m["sender"] for m in actor["received_messages"]
+        ]
+    # Every actor of every sample the SDK read has its row, in tick order.
+    assert seen == [
+        (trial_id, s["tick_id"], name)
+        for trial_id in SAMPLE_TRIALS
+        for s in sdk_samples[trial_id]
+        for name in s["actors"]
+    ]
+    # The chatty tick's rewards and messages are in the rows (not only empty lists compared).
+    bob = next(
+        r for r in rows if (r["trial_id"], r["tick_id"], r["actor_name"]) == ("alpha", CHATTY_TICK, "bob")
+    )
+    assert bob["reward"] == 2.0 and len(bob["received_rewards"]) == 1 and len(bob["received_messages"]) == 1
 
 
 async def test_sdk_decodes_observations_and_actions_with_the_trial_spec(

@@ -1,8 +1,10 @@
 """The training reader (services.datastore.training) against a direct computation, on hand-built
-datasets: random trials, lengths, actors, ended or not, rewards or none, shifts and n."""
+datasets: random trials, lengths, actors, ended or not, rewards or none, shifts and n; and read
+straight from a datastore, stored and live trials."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 from pathlib import Path
@@ -17,6 +19,11 @@ from hypothesis import strategies as st
 
 from services.datastore.dataset import STEPS_FILE, STEPS_SCHEMA
 from services.datastore.training import TrainingData, shifts_of
+from shared.api import common_pb2
+from shared.cli import ClientError
+from tests.helpers.datastore import datalog_inputs, datalog_sample, run_datalog, trial_params
+from tests.helpers.fake_services import free_port
+from tests.helpers.running import RunningDatastore
 
 CLASSES = ["player", "critic"]
 # A trial: its actors' classes, its number of ticks, whether it ended, and per (tick, actor) a
@@ -167,3 +174,53 @@ def test_sampling_is_seeded_and_batches_cover_every_transition(tmp_path: Path) -
     assert sorted(seen) == list(range(len(data))) == list(range(5 + 5 + 3))
     with pytest.raises(ValueError):
         data.view("value", 0)
+
+
+async def test_reads_stored_and_live_trials_from_a_datastore(datastore: RunningDatastore) -> None:
+    endpoint = f"grpc://127.0.0.1:{datastore.service.port}"
+    # "ended": 4 ticks, bob rewarded 0.5 + tick, a late reward of 7 for tick 1; "live": 3 ticks
+    # so far, its stream still open.
+    ended = [datalog_sample(tick, reward=0.5 + tick) for tick in range(3)]
+    ended += [datalog_sample(1, out_of_sync=True, reward=7.0), datalog_sample(3, common_pb2.ENDED)]
+    await run_datalog(datastore, "ended", ended)
+    live = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"),))
+    inputs = datalog_inputs(trial_params(), [datalog_sample(tick) for tick in range(5)])
+    for message in inputs[:4]:
+        await live.write(message)
+        await live.read()
+
+    # From async code (this test) the blocking reader goes to a thread.
+    data = await asyncio.to_thread(
+        TrainingData.from_datastore,
+        endpoint,
+        ["ended", "live"],
+        actor_names=["alice", "bob"],
+        decode_observation=bytes.decode,
+    )
+    for message in inputs[4:]:
+        await live.write(message)
+        await live.read()
+    await live.done_writing()
+
+    assert [(e.trial_id, e.actor_name, e.steps, e.ended) for e in data.episodes] == [
+        ("ended", "alice", 4, True),
+        ("ended", "bob", 4, True),
+        ("live", "alice", 3, False),
+        ("live", "bob", 3, False),
+    ]
+    arrays = data.d4rl()
+    # alice sees "obs-<tick>", bob the shared observation (tests.helpers.datastore.datalog_sample).
+    assert (
+        list(arrays["observations"])
+        == ["obs-0", "obs-1", "obs-2"] + ["shared"] * 3 + ["obs-0", "obs-1"] + ["shared"] * 2
+    )
+    assert list(arrays["next_observations"][:3]) == ["obs-1", "obs-2", "obs-3"]
+    assert list(arrays["actions"][:3]) == [b"act-0-0", b"act-1-0", b"act-2-0"]
+    assert list(arrays["rewards"]) == pytest.approx([0, 0, 0, 0.5, 1.5 + 7.0, 2.5, 0, 0, 0, 0])
+    assert list(arrays["terminals"]) == [False, False, True] * 2 + [False] * 4
+    assert list(arrays["timeouts"]) == [False] * 6 + [False, True] * 2
+
+    with pytest.raises(ClientError, match=r"trials \[nope\] not found"):
+        await asyncio.to_thread(TrainingData.from_datastore, endpoint, ["ended", "nope"])
+    with pytest.raises(ClientError, match="cannot reach the trial datastore"):
+        await asyncio.to_thread(TrainingData.from_datastore, f"grpc://127.0.0.1:{free_port()}", ["ended"])
