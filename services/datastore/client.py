@@ -473,22 +473,7 @@ async def export_dataset(
     completed = False
     try:
         for trial_id, count in counts.items():
-            late = dataset.LateRewards()
-            async with contextlib.aclosing(
-                counted_samples(client, {trial_id: count}, REWARD_FIELDS)
-            ) as rewards:
-                async for sample in rewards:
-                    late.read(sample)
-            trial = dataset.TrialSteps(trial_id, infos[trial_id], late)
-            stepper = dataset.TrialStepper(trial, steps)
-            async with contextlib.aclosing(counted_samples(client, {trial_id: count})) as samples:
-                async for sample in samples:
-                    stepper.add(sample)
-                    progress.advance(1)
-                    if steps.full:
-                        await asyncio.to_thread(steps.flush)
-            stepper.finish()
-            trials.append(trial)
+            trials.append(await export_trial(client, infos[trial_id], count, steps, progress))
         await asyncio.to_thread(steps.close)
         await asyncio.to_thread(
             dataset.write_trials, dataset.partial(directory / dataset.TRIALS_FILE), trials
@@ -503,6 +488,54 @@ async def export_dataset(
             for name in (dataset.STEPS_FILE, dataset.TRIALS_FILE):
                 remove_partial_file(dataset.partial(directory / name))
     return sum(trial.samples for trial in trials), steps.rows
+
+
+async def export_trial(
+    client: DatastoreClient,
+    info: trial_datastore_pb2.StoredTrialInfo,
+    count: int,
+    steps: dataset.StepsWriter,
+    progress: Progress,
+) -> dataset.TrialSteps:
+    """The rows of the first `count` samples of a trial, in one pass if they fit in the row group
+    being filled (late rewards folded into the rows held), with that row group written first if
+    need be; in two passes, rewards then samples, when the trial outgrows a row group."""
+    start = steps.held_rows
+    while True:
+        trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards())
+        stepper = dataset.TrialStepper(trial, steps, rewards_read_first=False)
+        async with contextlib.aclosing(counted_samples(client, {info.trial_id: count})) as samples:
+            async for sample in samples:
+                stepper.add(sample)
+                progress.advance(1)
+                if steps.full:
+                    break
+            else:
+                stepper.finish()
+                if steps.full:
+                    await asyncio.to_thread(steps.flush)
+                return trial
+        # It outgrew the row group: read it again, after the rows of earlier trials, if any.
+        steps.rollback(start)
+        progress.advance(-trial.samples)
+        if not start:
+            break
+        await asyncio.to_thread(steps.flush)
+        start = 0
+
+    trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards())
+    async with contextlib.aclosing(counted_samples(client, {info.trial_id: count}, REWARD_FIELDS)) as rewards:
+        async for sample in rewards:
+            trial.late.read(sample)
+    stepper = dataset.TrialStepper(trial, steps, rewards_read_first=True)
+    async with contextlib.aclosing(counted_samples(client, {info.trial_id: count})) as samples:
+        async for sample in samples:
+            stepper.add(sample)
+            progress.advance(1)
+            if steps.full:
+                await asyncio.to_thread(steps.flush)
+    stepper.finish()
+    return trial
 
 
 async def run_import(context: DatastoreContext) -> None:

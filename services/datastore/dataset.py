@@ -8,9 +8,10 @@ one row group and one sample in memory whatever the dataset's size.
 Late rewards: the orchestrator sends a reward for a past tick as a separate (out-of-sync) sample
 naming that tick, stored after later ticks' samples. A sample whose tick is not after the last
 tick already seen is such a sample: its rewards are folded into the rows of the tick it names
-(added to `reward`, appended to `received_rewards`), and it makes no row of its own. Since the
-named tick may have been written already, an export reads each trial's rewards first
-(`LateRewards`, rewards only), then its samples.
+(added to `reward`, appended to `received_rewards`), and it makes no row of its own. A trial is
+read once when its rows fit in the row group being filled: late rewards are then folded into the
+rows still held. A trial that outgrows it is read twice: its rewards first (`LateRewards`,
+rewards only), then its samples, whose rows may be written before the late rewards come.
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ def _rewards(
     ]
 
 
+def _late_rewards(
+    sample: trial_datastore_pb2.StoredTrialSample,
+) -> Iterable[tuple[int, float | None, list[Reward]]]:
+    """What a late sample gives each actor: (actor index, reward or None, rewards received)."""
+    for actor in sample.actor_samples:
+        yield actor.actor, actor.reward if actor.HasField("reward") else None, _rewards(sample, actor)
+
+
 class TickOrder:
     """Tells a trial's samples of new ticks from its late rewards (samples of a past tick)."""
 
@@ -134,15 +143,15 @@ class LateRewards:
 
     def read(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
         """Keep the rewards of `sample` if it is a late one (samples in stored order)."""
-        if not self._order.is_late(sample):
-            return
-        for actor in sample.actor_samples:
-            key = (sample.tick_id, actor.actor)
-            if actor.HasField("reward"):
-                self.sums[key] = self.sums.get(key, 0.0) + actor.reward
-            received = _rewards(sample, actor)
-            if received:
-                self.rewards.setdefault(key, []).extend(received)
+        if self._order.is_late(sample):
+            for actor, reward, received in _late_rewards(sample):
+                self.add((sample.tick_id, actor), reward, received)
+
+    def add(self, key: tuple[int, int], reward: float | None, received: list[Reward]) -> None:
+        if reward is not None:
+            self.sums[key] = self.sums.get(key, 0.0) + reward
+        if received:
+            self.rewards.setdefault(key, []).extend(received)
 
 
 class StepsWriter:
@@ -170,6 +179,26 @@ class StepsWriter:
         self.flush()
         self._writer.close()
 
+    @property
+    def held_rows(self) -> int:
+        """Rows not written yet (the row group being filled)."""
+        return len(self._columns["trial_id"])
+
+    def rollback(self, rows: int) -> None:
+        """Drop the rows held after the first `rows` (a trial to be read again)."""
+        self.rows -= self.held_rows - rows
+        for values in self._columns.values():
+            del values[rows:]
+        observations, actions = self._columns["observation"], self._columns["action"]
+        self._bytes = sum(len(o or b"") + len(a or b"") for o, a in zip(observations, actions, strict=True))
+
+    def fold(self, row: int, reward: float | None, received: list[Reward]) -> None:
+        """Add a late reward to a row held."""
+        if reward is not None:
+            held = self._columns["reward"][row]
+            self._columns["reward"][row] = reward if held is None else held + reward
+        self._columns["received_rewards"][row].extend(received)
+
     def add_tick(
         self,
         trial: TrialSteps,
@@ -177,9 +206,10 @@ class StepsWriter:
         *,
         is_last: bool,
         is_terminal: bool,
-    ) -> None:
-        """The rows of one tick's sample, one per actor of the trial."""
+    ) -> int:
+        """The rows of one tick's sample, one per actor of the trial; where the first is held."""
         columns = self._columns
+        first_row = len(columns["trial_id"])
         by_index = {actor.actor: actor for actor in sample.actor_samples}
         state = state_name(sample.state)
         for index, (name, actor_class, implementation) in enumerate(trial.actors):
@@ -223,6 +253,7 @@ class StepsWriter:
             self._bytes += len(observation or b"") + len(action or b"")
             self.rows += 1
         trial.ticks += 1
+        return first_row
 
 
 @dataclass
@@ -247,21 +278,42 @@ class TrialSteps:
 
 class TrialStepper:
     """Feeds one trial's samples, in stored order, to a StepsWriter: a tick's rows are written
-    once the next tick comes (or the trial's samples end), to know whether it is the last."""
+    once the next tick comes (or the trial's samples end), to know whether it is the last.
 
-    def __init__(self, trial: TrialSteps, writer: StepsWriter) -> None:
+    `rewards_read_first`: the trial's LateRewards were read before (two passes), and late samples
+    are skipped; otherwise (one pass) they are folded into the rows they name, which must still be
+    held by the writer (the caller reads the trial again otherwise)."""
+
+    def __init__(self, trial: TrialSteps, writer: StepsWriter, *, rewards_read_first: bool) -> None:
         self.trial = trial
         self._writer = writer
+        self._rewards_read_first = rewards_read_first
         self._order = TickOrder()
         self._held: trial_datastore_pb2.StoredTrialSample | None = None
+        self._first_rows: dict[int, int] = {}  # tick -> the writer's row of its first actor (one pass)
 
     def add(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
         self.trial.samples += 1
         if self._order.is_late(sample):
-            return  # folded into its tick (LateRewards)
+            if not self._rewards_read_first:
+                self._fold(sample)
+            return
         if self._held is not None:
-            self._writer.add_tick(self.trial, self._held, is_last=False, is_terminal=False)
+            row = self._writer.add_tick(self.trial, self._held, is_last=False, is_terminal=False)
+            if not self._rewards_read_first:
+                self._first_rows[self._held.tick_id] = row
         self._held = sample
+
+    def _fold(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
+        """A late sample's rewards, into its tick's rows (held ones, or the tick not written yet);
+        those naming a tick the trial does not have are dropped."""
+        tick = sample.tick_id
+        first_row = self._first_rows.get(tick)
+        for actor, reward, received in _late_rewards(sample):
+            if self._held is not None and tick == self._held.tick_id:
+                self.trial.late.add((tick, actor), reward, received)
+            elif first_row is not None and 0 <= actor < len(self.trial.actors):
+                self._writer.fold(first_row + actor, reward, received)
 
     def finish(self) -> None:
         if self._held is not None:

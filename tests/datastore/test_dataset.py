@@ -109,9 +109,15 @@ def rewarded(tick: int, state: int = common_pb2.RUNNING) -> datalog_pb2.DatalogS
     return datalog_sample(tick, state, reward=0.5 + tick)
 
 
+# Row group sizes: the default, where every trial is read once; 20 rows, where "ended" (18 rows)
+# is read once and "cut" (12 more) again after the first row group is written; 10 rows, where
+# "ended" outgrows a row group by itself and is read twice (rewards first), and "cut" again after
+# the row group is written.
+@pytest.mark.parametrize("row_group_rows", [dataset.ROW_GROUP_ROWS, 20, 10])
 async def test_trials_export_as_steps_with_late_rewards_folded_in(
-    datastore: RunningDatastore, tmp_path: Path
+    datastore: RunningDatastore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row_group_rows: int
 ) -> None:
+    monkeypatch.setattr(dataset, "ROW_GROUP_ROWS", row_group_rows)
     # "ended": 6 ticks, late rewards for ticks 1 and 4 (one after the last tick); "cut": the
     # stream closes before the trial ends (interrupted).
     ended = [rewarded(tick) for tick in range(3)]
@@ -184,7 +190,7 @@ def test_rows_are_written_in_bounded_row_groups(tmp_path: Path, monkeypatch: pyt
     writer = dataset.StepsWriter(path)
     info = ds.StoredTrialInfo(trial_id="t", last_state=common_pb2.ENDED, params=trial_params())
     trial = dataset.TrialSteps("t", info, dataset.LateRewards())
-    stepper = dataset.TrialStepper(trial, writer)
+    stepper = dataset.TrialStepper(trial, writer, rewards_read_first=True)
     for tick in range(20):
         sample = ds.StoredTrialSample(trial_id="t", tick_id=tick, payloads=[b"x" * 100])
         sample.actor_samples.add(actor=0, observation=0)
