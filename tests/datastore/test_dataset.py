@@ -10,6 +10,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from services.datastore import dataset
 from services.datastore.client import main
@@ -202,3 +204,69 @@ def test_rows_are_written_in_bounded_row_groups(tmp_path: Path, monkeypatch: pyt
     metadata = pq.ParquetFile(path).metadata
     assert metadata.num_rows == 60 and metadata.num_row_groups >= 5
     assert all(metadata.row_group(i).num_rows <= 12 for i in range(metadata.num_row_groups))
+
+
+# A trial as stored: per event, either a new tick (after a gap of 1 or 2) or a late sample naming
+# a tick `back` ticks before the last one (possibly one the trial skipped, or before its first);
+# each with a reward (a multiple of 0.5: sums are exact in float32) or none, per actor.
+stored_events = st.lists(
+    st.tuples(
+        st.sampled_from(["tick", "late"]),
+        st.integers(0, 4),
+        st.lists(st.one_of(st.none(), st.integers(-8, 8).map(lambda v: v / 2)), min_size=3, max_size=3),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def stored_trial(events: list[tuple[str, int, list[float | None]]]) -> list[ds.StoredTrialSample]:
+    samples: list[ds.StoredTrialSample] = []
+    tick = -1
+    for kind, number, rewards in events:
+        late = kind == "late" and tick >= 0
+        at = tick - number if late else tick + 1 + number % 2
+        if not late:
+            tick = at
+        sample = ds.StoredTrialSample(trial_id="t", tick_id=max(at, 0), timestamp=max(at, 0))
+        for index, reward in enumerate(rewards):
+            if late and reward is None:
+                continue
+            actor = sample.actor_samples.add(actor=index)
+            if not late:
+                sample.payloads.extend([b"obs-%d-%d" % (at, index), b"act-%d-%d" % (at, index)])
+                actor.observation, actor.action = len(sample.payloads) - 2, len(sample.payloads) - 1
+            if reward is not None:
+                actor.reward = reward
+                actor.received_rewards.add(sender=-1, reward=reward, confidence=1.0)
+        samples.append(sample)
+    return samples
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stored_events, st.booleans(), st.booleans())
+def test_late_rewards_fold_the_same_in_one_pass_and_in_two(
+    tmp_path_factory: pytest.TempPathFactory,
+    events: list[tuple[str, int, list[float | None]]],
+    ended: bool,
+    two_passes: bool,
+) -> None:
+    samples = stored_trial(events)
+    state = common_pb2.ENDED if ended else common_pb2.RUNNING
+    info = ds.StoredTrialInfo(trial_id="t", last_state=state, params=trial_params())
+    path = tmp_path_factory.mktemp("steps") / "steps.parquet"
+    writer = dataset.StepsWriter(path)
+    trial = dataset.TrialSteps("t", info, dataset.LateRewards())
+    if two_passes:  # rewards first, then rows written a few at a time
+        for sample in samples:
+            trial.late.read(sample)
+    stepper = dataset.TrialStepper(trial, writer, rewards_read_first=two_passes)
+    for sample in samples:
+        stepper.add(sample)
+        if two_passes:
+            writer.flush()
+    stepper.finish()
+    writer.close()
+    rows = pq.read_table(path).to_pylist()
+    assert rows == expected_steps("t", samples, ended)
+    assert trial.samples == len(samples)
