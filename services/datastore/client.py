@@ -386,7 +386,11 @@ async def download_dataset(
     these trials, stored or live (cut where the call starts), written into `directory`;
     (samples read, step rows written). Failures raise ClientError, whose message says why, as
     the command line's would."""
-    client = DatastoreClient(parse_grpc_endpoint(endpoint), timeout_s)
+    try:
+        address = parse_grpc_endpoint(endpoint)
+    except ValueError as error:
+        raise ClientError(str(error)) from None
+    client = DatastoreClient(address, timeout_s)
     try:
         infos, counts = await export_selection(client, trial_ids)
         progress = Progress("", sum(counts.values()), None, SAMPLES)
@@ -497,11 +501,16 @@ async def export_trial(
     steps: dataset.StepsWriter,
     progress: Progress,
 ) -> dataset.TrialSteps:
-    """The rows of the first `count` samples of a trial, in one pass if they fit in the row group
-    being filled (late rewards folded into the rows held), with that row group written first if
-    need be; in two passes, rewards then samples, when the trial outgrows a row group."""
-    start = steps.held_rows
-    while True:
+    """The rows of the first `count` samples of a trial: in one pass when they fit in a row group
+    (late rewards folded into the rows held), the row group being filled written first if they
+    would not fit beside its rows; otherwise, or when its payloads outgrow the row group's bytes
+    half-way, in two passes, rewards then samples."""
+    rows = count * len(info.params.actors)  # at most: late samples make no rows
+    if steps.held_rows and steps.held_rows + rows > dataset.ROW_GROUP_ROWS:
+        await asyncio.to_thread(steps.flush)
+    counted = 0  # samples the progress bar counted already
+    if rows <= dataset.ROW_GROUP_ROWS:
+        start = steps.held_rows
         trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards())
         stepper = dataset.TrialStepper(trial, steps, rewards_read_first=False)
         async with contextlib.aclosing(counted_samples(client, {info.trial_id: count})) as samples:
@@ -515,13 +524,10 @@ async def export_trial(
                 if steps.full:
                     await asyncio.to_thread(steps.flush)
                 return trial
-        # It outgrew the row group: read it again, after the rows of earlier trials, if any.
+        # Its payloads outgrew the row group: write the rows of earlier trials, read it twice.
+        counted = trial.samples
         steps.rollback(start)
-        progress.advance(-trial.samples)
-        if not start:
-            break
         await asyncio.to_thread(steps.flush)
-        start = 0
 
     trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards())
     async with contextlib.aclosing(counted_samples(client, {info.trial_id: count}, REWARD_FIELDS)) as rewards:
@@ -531,10 +537,13 @@ async def export_trial(
     async with contextlib.aclosing(counted_samples(client, {info.trial_id: count})) as samples:
         async for sample in samples:
             stepper.add(sample)
-            progress.advance(1)
+            if trial.samples > counted:
+                progress.advance(1)
             if steps.full:
                 await asyncio.to_thread(steps.flush)
     stepper.finish()
+    if steps.full:
+        await asyncio.to_thread(steps.flush)
     return trial
 
 

@@ -3,15 +3,17 @@
 A trial becomes one row per tick and actor in `steps.parquet`, and one row in `trials.parquet`;
 the README's "Trials as training data" describes every column. Rows are built from the stored
 samples as `RetrieveSamples` serves them, in order, and written in row groups, so an export holds
-one row group and one sample in memory whatever the dataset's size.
+one row group and one sample in memory whatever the dataset's size (and, for a trial read twice,
+its late rewards).
 
 Late rewards: the orchestrator sends a reward for a past tick as a separate (out-of-sync) sample
 naming that tick, stored after later ticks' samples. A sample whose tick is not after the last
 tick already seen is such a sample: its rewards are folded into the rows of the tick it names
 (added to `reward`, appended to `received_rewards`), and it makes no row of its own. A trial is
-read once when its rows fit in the row group being filled: late rewards are then folded into the
-rows still held. A trial that outgrows it is read twice: its rewards first (`LateRewards`,
-rewards only), then its samples, whose rows may be written before the late rewards come.
+read once when its rows fit in a row group: late rewards are then folded into the rows still held
+(`TrialStepper`). A trial that does not fit is read twice: its rewards first (`LateRewards`,
+rewards only), then its samples, whose rows may be written before the late rewards come. Either
+way a row's reward is its own plus the sum of its late ones, added in that order.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ def _rewards(
     ]
 
 
+def _rewards_bytes(rewards: list[Reward]) -> int:
+    return sum(len(reward["user_data"] or b"") for reward in rewards)
+
+
 def _late_rewards(
     sample: trial_datastore_pb2.StoredTrialSample,
 ) -> Iterable[tuple[int, float | None, list[Reward]]]:
@@ -160,20 +166,26 @@ class StepsWriter:
     def __init__(self, path: Path) -> None:
         self._writer = pq.ParquetWriter(path, STEPS_SCHEMA)
         self._columns: dict[str, list[Any]] = {name: [] for name in STEPS_SCHEMA.names}
+        # Payload bytes of each row held (observation, action, user data, messages), and in all.
+        self._row_bytes: list[int] = []
         self._bytes = 0
+        # Rows held that late rewards were folded into: (their own reward, the late ones' sum).
+        self._folded: dict[int, tuple[float | None, float]] = {}
         self.rows = 0
 
     @property
     def full(self) -> bool:
-        return len(self._columns["trial_id"]) >= ROW_GROUP_ROWS or self._bytes >= ROW_GROUP_BYTES
+        return len(self._row_bytes) >= ROW_GROUP_ROWS or self._bytes >= ROW_GROUP_BYTES
 
     def flush(self) -> None:
         """Write what is held as a row group (a blocking write: off the event loop)."""
-        if self._columns["trial_id"]:
+        if self._row_bytes:
             self._writer.write_table(pa.Table.from_pydict(self._columns, schema=STEPS_SCHEMA))
             for values in self._columns.values():
                 values.clear()
+            self._row_bytes.clear()
             self._bytes = 0
+            self._folded.clear()
 
     def close(self) -> None:
         self.flush()
@@ -182,22 +194,29 @@ class StepsWriter:
     @property
     def held_rows(self) -> int:
         """Rows not written yet (the row group being filled)."""
-        return len(self._columns["trial_id"])
+        return len(self._row_bytes)
 
     def rollback(self, rows: int) -> None:
         """Drop the rows held after the first `rows` (a trial to be read again)."""
         self.rows -= self.held_rows - rows
         for values in self._columns.values():
             del values[rows:]
-        observations, actions = self._columns["observation"], self._columns["action"]
-        self._bytes = sum(len(o or b"") + len(a or b"") for o, a in zip(observations, actions, strict=True))
+        self._bytes -= sum(self._row_bytes[rows:])
+        del self._row_bytes[rows:]
+        self._folded = {row: folded for row, folded in self._folded.items() if row < rows}
 
     def fold(self, row: int, reward: float | None, received: list[Reward]) -> None:
-        """Add a late reward to a row held."""
+        """Add a late reward to a row held: its reward is its own plus the sum of the late ones,
+        summed in that order whichever way the trial is read (`LateRewards`, `add_tick`)."""
         if reward is not None:
-            held = self._columns["reward"][row]
-            self._columns["reward"][row] = reward if held is None else held + reward
+            own, late = self._folded.get(row, (self._columns["reward"][row], 0.0))
+            late += reward
+            self._folded[row] = (own, late)
+            self._columns["reward"][row] = late if own is None else own + late
         self._columns["received_rewards"][row].extend(received)
+        size = _rewards_bytes(received)
+        self._row_bytes[row] += size
+        self._bytes += size
 
     def add_tick(
         self,
@@ -232,6 +251,7 @@ class StepsWriter:
             key = (sample.tick_id, index)
             late_sum = trial.late.sums.get(key)
             if late_sum is not None:
+                self._folded[len(columns["trial_id"])] = (reward, late_sum)  # more may be folded in
                 reward = late_sum if reward is None else reward + late_sum
             rewards += trial.late.rewards.get(key, [])
             columns["trial_id"].append(trial.trial_id)
@@ -250,7 +270,10 @@ class StepsWriter:
             columns["is_last"].append(is_last)
             columns["is_terminal"].append(is_terminal)
             columns["state"].append(state)
-            self._bytes += len(observation or b"") + len(action or b"")
+            size = len(observation or b"") + len(action or b"") + _rewards_bytes(rewards)
+            size += sum(len(message["payload"] or b"") for message in messages)
+            self._row_bytes.append(size)
+            self._bytes += size
             self.rows += 1
         trial.ticks += 1
         return first_row

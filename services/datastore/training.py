@@ -2,7 +2,7 @@
 a datastore: D4RL-style arrays, trajectory views with shifts, n-step returns, and replay-buffer
 sampling, as numpy arrays.
 
-One rule for every view (the README's "From trials to training batches"): an episode is one
+One rule for every view (the README's "Trials as training data"): an episode is one
 actor of one trial, its steps are the trial's ticks in order. An episode of N steps gives N - 1
 transitions t = 0 .. N - 2: observation t, action t, the reward received at tick t, and the
 observation of step t + 1; its last transition is terminal if the trial had ended, a timeout if
@@ -48,9 +48,12 @@ def shifts_of(shift: Shift) -> tuple[list[int], bool]:
         return [shift], True
     if isinstance(shift, str):
         first, separator, last = shift.partition(":")
-        if not separator:
-            return [int(shift)], True
-        low, high = int(first), int(last)
+        try:
+            if not separator:
+                return [int(shift)], True
+            low, high = int(first), int(last)
+        except ValueError:
+            raise ValueError(f"invalid shift {shift!r}: an int, or a range 'a:b' such as '-3:0'") from None
         if high < low:
             raise ValueError(f"empty shift range {shift!r}")
         return list(range(low, high + 1)), False
@@ -64,6 +67,12 @@ def _decoded(raw: list[bytes | None], decode: Decoder) -> np.ndarray:
     if present is None:
         return np.zeros((len(raw),))
     blank = np.zeros_like(present)
+    for row, value in enumerate(decoded):
+        if value is not None and value.shape != present.shape:
+            raise ValueError(
+                f"the decoder gave shape {value.shape} for row {row} and {present.shape} for an "
+                "earlier one: every value of a column must decode to one shape"
+            )
     return np.stack([blank if value is None else value for value in decoded])
 
 
@@ -95,8 +104,9 @@ class TrainingData:
         self._raw = {"observation": observations, "action": actions}
         self._decoders = {"observation": decode_observation, "action": decode_action}
         self._decoded: dict[str, np.ndarray] = {"reward": rewards}
-        # Transitions: the global step index of each, and the last step of its episode.
-        steps, lows, highs = [], [], []
+        # Transitions: the global step index of each, the first and last steps of its episode,
+        # and whether it is the last of an episode that ended, or of one that did not.
+        steps, lows, highs, terminals, timeouts = [], [], [], [], []
         for episode in episodes:
             count = episode.steps - 1
             if count < 1:
@@ -104,22 +114,16 @@ class TrainingData:
             steps.append(np.arange(episode.first_step, episode.first_step + count))
             lows.append(np.full(count, episode.first_step))
             highs.append(np.full(count, episode.first_step + episode.steps - 1))
+            last = np.zeros(count, dtype=bool)
+            last[-1] = True
+            terminals.append(last & episode.ended)
+            timeouts.append(last & (not episode.ended))
         empty = np.zeros(0, dtype=np.int64)
         self._step = np.concatenate(steps) if steps else empty
         self._low = np.concatenate(lows) if lows else empty
         self._high = np.concatenate(highs) if highs else empty
-        last = np.zeros(len(self._step), dtype=bool)
-        ended = np.zeros(len(self._step), dtype=bool)
-        position = 0
-        for episode in episodes:
-            count = episode.steps - 1
-            if count < 1:
-                continue
-            position += count
-            last[position - 1] = True
-            ended[position - 1] = episode.ended
-        self.terminals = last & ended
-        self.timeouts = last & ~ended
+        self.terminals = np.concatenate(terminals) if terminals else empty.astype(bool)
+        self.timeouts = np.concatenate(timeouts) if timeouts else empty.astype(bool)
 
     @classmethod
     def from_parquet(
@@ -154,7 +158,15 @@ class TrainingData:
             ("actor_name", actor_names),
             ("actor_implementation", actor_implementations),
         ):
+            if isinstance(wanted, str):
+                raise TypeError(f"{column}s: a list of names, not the string {wanted!r}")
             if wanted:
+                present = set(pc.unique(table[column]).to_pylist())
+                if not present & set(wanted):  # a typo, most likely: say what there is
+                    raise ValueError(
+                        f"no {column} {', '.join(map(repr, sorted(wanted)))} in the selection "
+                        f"(it has {', '.join(map(repr, sorted(present)))})"
+                    )
                 table = table.filter(pc.is_in(table[column], value_set=pc.cast(list(wanted), "string")))
         # Rows come trial by trial, ticks in order, actors interleaved: group by (trial, actor),
         # keeping the tick order (a stable sort by episode number).
@@ -264,7 +276,7 @@ class TrainingData:
         those indexed): with a shift axis after the transition axis unless `shift` is one int."""
         values = self.column(name)
         offsets, single = shifts_of(shift)
-        index = np.arange(len(self)) if transitions is None else np.asarray(transitions)
+        index = np.arange(len(self)) if transitions is None else np.asarray(transitions, dtype=np.int64)
         steps = self._step[index][:, None] + np.asarray(offsets, dtype=np.int64)[None, :]
         valid = (steps >= self._low[index][:, None]) & (steps <= self._high[index][:, None])
         picked = values[np.clip(steps, 0, max(len(values) - 1, 0))]
@@ -281,7 +293,7 @@ class TrainingData:
         if n < 1:
             raise ValueError("n must be at least 1")
         rewards, valid = self.view("reward", list(range(n)), transitions)
-        index = np.arange(len(self)) if transitions is None else np.asarray(transitions)
+        index = np.arange(len(self)) if transitions is None else np.asarray(transitions, dtype=np.int64)
         # Rewards of transitions only: the step after the episode's last transition is no transition.
         steps = self._step[index][:, None] + np.arange(n)[None, :]
         valid &= steps < self._high[index][:, None]
@@ -341,6 +353,8 @@ class TrainingData:
         n_step: tuple[int, float] | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
         """Every transition once, shuffled, in batches (the last one may be smaller)."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
         order = np.random.default_rng(seed).permutation(len(self))
         for start in range(0, len(order), batch_size):
             yield self.batch(order[start : start + batch_size], views, n_step)

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from services.datastore import dataset
+from services.datastore import client, dataset
 from services.datastore.client import main
 from shared.api import common_pb2, datalog_pb2
 from shared.api import trial_datastore_pb2 as ds
@@ -66,9 +68,15 @@ def expected_steps(trial_id: str, samples: list[ds.StoredTrialSample], ended: bo
                 for r in actor.received_rewards
             ]
             reward = actor.reward if actor.HasField("reward") else None
+            late_values = [
+                late_actor.reward
+                for _, late_actor in late.get((sample.tick_id, index), [])  # type: ignore[misc]
+                if late_actor.HasField("reward")
+            ]
+            if late_values:  # its own reward, plus the sum of the late ones
+                late_sum = sum(late_values, 0.0)
+                reward = float(np.float32(late_sum if reward is None else reward + late_sum))
             for late_sample, late_actor in late.get((sample.tick_id, index), []):  # type: ignore[misc]
-                if late_actor.HasField("reward"):
-                    reward = (reward or 0.0) + late_actor.reward
                 rewards += [
                     {
                         "sender": r.sender,
@@ -111,15 +119,41 @@ def rewarded(tick: int, state: int = common_pb2.RUNNING) -> datalog_pb2.DatalogS
     return datalog_sample(tick, state, reward=0.5 + tick)
 
 
-# Row group sizes: the default, where every trial is read once; 20 rows, where "ended" (18 rows)
-# is read once and "cut" (12 more) again after the first row group is written; 10 rows, where
-# "ended" outgrows a row group by itself and is read twice (rewards first), and "cut" again after
-# the row group is written.
-@pytest.mark.parametrize("row_group_rows", [dataset.ROW_GROUP_ROWS, 20, 10])
+# Row group bounds, and the reads they lead to. "ended" makes 18 rows (8 samples: 24 at most),
+# "cut" 12. Default: each is read once. 20 rows: "ended" may not fit, it is read twice (rewards
+# first); "cut" once, after the row group is written. 10 rows: both are read twice. 100 bytes:
+# each starts in one pass, outgrows the row group's bytes half-way, and is read twice after.
+ONCE, TWICE = ["samples"], ["rewards", "samples"]
+
+
+@pytest.mark.parametrize(
+    ("row_group_rows", "row_group_bytes", "reads"),
+    [
+        (dataset.ROW_GROUP_ROWS, dataset.ROW_GROUP_BYTES, {"ended": ONCE, "cut": ONCE}),
+        (20, dataset.ROW_GROUP_BYTES, {"ended": TWICE, "cut": ONCE}),
+        (10, dataset.ROW_GROUP_BYTES, {"ended": TWICE, "cut": TWICE}),
+        (dataset.ROW_GROUP_ROWS, 100, {"ended": ["samples", *TWICE], "cut": ["samples", *TWICE]}),
+    ],
+)
 async def test_trials_export_as_steps_with_late_rewards_folded_in(
-    datastore: RunningDatastore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row_group_rows: int
+    datastore: RunningDatastore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    row_group_rows: int,
+    row_group_bytes: int,
+    reads: dict[str, list[str]],
 ) -> None:
     monkeypatch.setattr(dataset, "ROW_GROUP_ROWS", row_group_rows)
+    monkeypatch.setattr(dataset, "ROW_GROUP_BYTES", row_group_bytes)
+    read: dict[str, list[str]] = {}
+    counted_samples = client.counted_samples
+
+    def recorded(*args: Any) -> Any:
+        [trial_id] = args[1]
+        read.setdefault(trial_id, []).append("rewards" if args[2:] else "samples")
+        return counted_samples(*args)
+
+    monkeypatch.setattr(client, "counted_samples", recorded)
     # "ended": 6 ticks, late rewards for ticks 1 and 4 (one after the last tick); "cut": the
     # stream closes before the trial ends (interrupted).
     ended = [rewarded(tick) for tick in range(3)]
@@ -129,9 +163,13 @@ async def test_trials_export_as_steps_with_late_rewards_folded_in(
     await run_datalog(datastore, "ended", ended, trial_params(kind="demo"))
     await run_datalog(datastore, "cut", [rewarded(tick) for tick in range(4)])
     target = tmp_path / "dataset"
-    code, out, err = await export(datastore, "ended", "cut", "--file", str(target))
+    code, out, err = await export(datastore, "ended", "cut", "--file", str(target), "--progress")
     assert code == 0, err
     assert out == f'2 trials exported to "{target}" (12 samples, 30 step rows)\n'
+    assert read == reads
+    # The progress bar counts each sample once, never going back, to the end.
+    drawn = [int(done) for done in re.findall(r"(\d+)/12 samples", err)]
+    assert drawn == sorted(drawn) and drawn[-1] == 12, err
     assert sorted(path.name for path in target.iterdir()) == ["steps.parquet", "trials.parquet"]
 
     rows = pq.read_table(target / "steps.parquet").to_pylist()
@@ -208,12 +246,21 @@ def test_rows_are_written_in_bounded_row_groups(tmp_path: Path, monkeypatch: pyt
 
 # A trial as stored: per event, either a new tick (after a gap of 1 or 2) or a late sample naming
 # a tick `back` ticks before the last one (possibly one the trial skipped, or before its first);
-# each with a reward (a multiple of 0.5: sums are exact in float32) or none, per actor.
+# each with a reward or none, per actor: float32 values whose sums round (the order of the
+# additions shows), and large ones that cancel.
 stored_events = st.lists(
     st.tuples(
         st.sampled_from(["tick", "late"]),
         st.integers(0, 4),
-        st.lists(st.one_of(st.none(), st.integers(-8, 8).map(lambda v: v / 2)), min_size=3, max_size=3),
+        st.lists(
+            st.one_of(
+                st.none(),
+                st.floats(-1e3, 1e3, width=32),
+                st.sampled_from([1e30, -1e30, 1.0, 0.1]),
+            ),
+            min_size=3,
+            max_size=3,
+        ),
     ),
     min_size=1,
     max_size=25,
@@ -245,6 +292,12 @@ def stored_trial(events: list[tuple[str, int, list[float | None]]]) -> list[ds.S
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(stored_events, st.booleans(), st.booleans())
+@example(  # a row written before its late rewards come: its own reward plus their sum, in one pass too
+    events=[("tick", 0, [1e30, None, None]), ("tick", 0, [None] * 3), ("late", 1, [-1e30, None, None]),
+            ("late", 1, [1.0, None, None])],
+    ended=True,
+    two_passes=False,
+)  # fmt: skip
 def test_late_rewards_fold_the_same_in_one_pass_and_in_two(
     tmp_path_factory: pytest.TempPathFactory,
     events: list[tuple[str, int, list[float | None]]],

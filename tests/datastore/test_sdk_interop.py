@@ -635,16 +635,39 @@ async def test_sdk_reads_every_sample_of_finished_trials_in_order(
     assert report["no_infos"]["error"]["type"] == "CogmentError"
 
 
+def late_reward(tick: int, value: float) -> datalog_pb2.DatalogSample:
+    """A reward alice sends bob for a past tick, as the orchestrator logs it (out of sync)."""
+    return datalog_pb2.DatalogSample(
+        info=datalog_pb2.SampleInfo(
+            tick_id=tick, timestamp=T0 + tick, state=common_pb2.RUNNING, out_of_sync=True
+        ),
+        rewards=[
+            common_pb2.Reward(
+                tick_id=tick,
+                receiver_name="bob",
+                sources=[common_pb2.RewardSource(sender_name="alice", value=value, confidence=0.5)],
+            )
+        ],
+    )
+
+
 async def test_the_parquet_export_agrees_with_the_sdks_view_of_the_same_trials(
     datastore: RunningDatastore, sdk_python: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    report = await _read_sample_trials(datastore, sdk_python, tmp_path)
-    sdk_samples = by_trial(report["plain"]["samples"])
+    # SAMPLE_TRIALS, and "late": 4 ticks with late rewards for ticks 1 (twice) and 3 (after the last).
+    await _sample_trials(datastore)
+    late = spec_trial(4)
+    late[3:3] = [late_reward(1, 5.0)]
+    late += [late_reward(1, 0.25), late_reward(3, -1.0)]
+    await run_datalog(datastore, "late", late, user_id="sdk-user")
+    trial_ids = [*SAMPLE_TRIALS, "late"]
+    report = await run_sdk(sdk_python, datastore, tmp_path, "samples", trial_ids=trial_ids)
+    assert report["plain"]["ended"] is True and report["plain"]["error"] is None, _explain(report)
     target = tmp_path / "dataset"
     out, err = io.StringIO(), io.StringIO()
     argv = [
         "export",
-        *SAMPLE_TRIALS,
+        *trial_ids,
         "--format",
         "parquet",
         "--file",
@@ -655,6 +678,18 @@ async def test_the_parquet_export_agrees_with_the_sdks_view_of_the_same_trials(
     assert await asyncio.to_thread(client_main, argv, {}, out, err) == 0, err.getvalue()
     rows = pq.read_table(target / "steps.parquet").to_pylist()
 
+    # What the SDK shows: per trial, the samples of new ticks in order, and the later samples of
+    # each tick (late rewards) apart.
+    steps: dict[str, list[dict[str, Any]]] = {}
+    late_samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for sample in report["plain"]["samples"]:
+        trial = steps.setdefault(sample["trial_id"], [])
+        if trial and sample["tick_id"] <= trial[-1]["tick_id"]:
+            late_samples.setdefault((sample["trial_id"], sample["tick_id"]), []).append(sample)
+        else:
+            trial.append(sample)
+    assert sum(len(found) for found in late_samples.values()) == 3
+
     def sender(index: int) -> str:
         return ENVIRONMENT_SEEN_BY_SDK if index == -1 else ACTOR_NAMES[index]
 
@@ -663,37 +698,47 @@ async def test_the_parquet_export_agrees_with_the_sdks_view_of_the_same_trials(
 
     seen = []
     for row in rows:
-        samples = sdk_samples[row["trial_id"]]
+        samples = steps[row["trial_id"]]
         [sample] = [s for s in samples if s["tick_id"] == row["tick_id"]]
         actor = sample["actors"][row["actor_name"]]
+        later = [
+            s["actors"][row["actor_name"]] for s in late_samples.get((row["trial_id"], row["tick_id"]), [])
+        ]
         seen.append((row["trial_id"], row["tick_id"], row["actor_name"]))
         assert (row["timestamp"], row["state"]) == (sample["timestamp"], sample["state"])
         assert (row["is_first"], row["is_last"]) == (sample is samples[0], sample is samples[-1])
         assert hex_or_none(row["observation"]) == actor["observation_serialized"]
         assert hex_or_none(row["action"]) == actor["action_serialized"]
-        assert (row["reward"] or 0.0) == actor["reward"]
+        assert (row["reward"] or 0.0) == actor["reward"] + sum(a["reward"] for a in later)
         assert [
             (sender(r["sender"]), r["value"], r["confidence"], hex_or_none(r["user_data"]))
             for r in row["received_rewards"]
         ] == [
             (r["sender"], r["value"], r["confidence"], r["user_data"] and r["user_data"]["serialized"])
-            for r in actor["received_rewards"]
+            for a in [actor, *later]
+            for r in a["received_rewards"]
         ]
+        # Message payloads: the SDK cannot read them (test_known_sdk_bug_message_payloads_cannot_be_read).
         assert [sender(m["sender"]) for m in row["received_messages"]] == [
             m["sender"] for m in actor["received_messages"]
         ]
-    # Every actor of every sample the SDK read has its row, in tick order.
+    # Every actor of every tick the SDK read has its row, in tick order.
     assert seen == [
         (trial_id, s["tick_id"], name)
-        for trial_id in SAMPLE_TRIALS
-        for s in sdk_samples[trial_id]
+        for trial_id in trial_ids
+        for s in steps[trial_id]
         for name in s["actors"]
     ]
-    # The chatty tick's rewards and messages are in the rows (not only empty lists compared).
-    bob = next(
-        r for r in rows if (r["trial_id"], r["tick_id"], r["actor_name"]) == ("alpha", CHATTY_TICK, "bob")
+    # Not only empty lists were compared: the chatty tick's rewards and messages, the late rewards.
+    bob = {(r["trial_id"], r["tick_id"]): r for r in rows if r["actor_name"] == "bob"}
+    chatty = bob[("alpha", CHATTY_TICK)]
+    assert (
+        chatty["reward"] == 2.0
+        and len(chatty["received_rewards"]) == 1
+        and len(chatty["received_messages"]) == 1
     )
-    assert bob["reward"] == 2.0 and len(bob["received_rewards"]) == 1 and len(bob["received_messages"]) == 1
+    assert bob[("late", 1)]["reward"] == 2.0 + 5.0 + 0.25 and len(bob[("late", 1)]["received_rewards"]) == 3
+    assert bob[("late", 3)]["reward"] == -1.0 and bob[("late", 3)]["is_terminal"]
 
 
 async def test_sdk_decodes_observations_and_actions_with_the_trial_spec(

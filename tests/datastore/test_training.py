@@ -127,6 +127,10 @@ def test_views_returns_and_d4rl_arrays_follow_one_rule(
 ) -> None:
     directory = tmp_path_factory.mktemp("dataset")
     episodes = build(directory, spec)
+    if classes and not any(episode["class"] in classes for episode in episodes.values()):
+        with pytest.raises(ValueError, match="no actor_class"):
+            TrainingData.from_parquet(directory, actor_classes=classes)
+        return
     data = TrainingData.from_parquet(directory, actor_classes=classes, decode_observation=decode)
     expected = direct_transitions(episodes, set(classes or CLASSES))
     assert len(data) == len(expected)
@@ -224,3 +228,23 @@ async def test_reads_stored_and_live_trials_from_a_datastore(datastore: RunningD
         await asyncio.to_thread(TrainingData.from_datastore, endpoint, ["ended", "nope"])
     with pytest.raises(ClientError, match="cannot reach the trial datastore"):
         await asyncio.to_thread(TrainingData.from_datastore, f"grpc://127.0.0.1:{free_port()}", ["ended"])
+
+
+def test_mistakes_are_named(tmp_path: Path) -> None:
+    build(tmp_path, [(["player", "critic"], 4, True, random.Random(3))])
+    with pytest.raises(
+        ValueError, match=r"no actor_class 'plyer' in the selection \(it has 'critic', 'player'\)"
+    ):
+        TrainingData.from_parquet(tmp_path, actor_classes=["plyer"])
+    with pytest.raises(TypeError, match="a list of names, not the string 'player'"):
+        TrainingData.from_parquet(tmp_path, actor_classes="player")
+    shapes = iter([np.zeros(2), np.zeros(3)] * 8)
+    data = TrainingData.from_parquet(tmp_path, decode_observation=lambda raw: next(shapes))
+    with pytest.raises(ValueError, match=r"shape \(3,\) for row 1 and \(2,\) for an earlier one"):
+        data.column("observation")
+    with pytest.raises(ValueError, match=r"invalid shift '-3\.\.0'"):
+        data.view("action", "-3..0")
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        next(data.batches(0, seed=0, views={}))
+    values, valid = data.view("action", [0, 1], transitions=[])
+    assert values.shape == valid.shape == (0, 2)
