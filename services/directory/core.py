@@ -27,6 +27,8 @@ from shared.logging import get_logger
 RECENT_CHECK_NS = 100_000_000
 # How long Register waits for a new entry's first health check.
 DEFAULT_FIRST_CHECK_WAIT_S = 1.0
+# Tokens whose digests are remembered at most (all are forgotten past it).
+TOKEN_DIGESTS_REMEMBERED = 4096
 # Load balancing keeps entries within this much of the least loaded one.
 ACCEPTABLE_LOAD_RANGE = 10
 
@@ -76,6 +78,7 @@ class Directory:
         self.check_on_inquire = check_on_inquire
         self.registration_lag_s = registration_lag_s
         self.first_check_wait_s = first_check_wait_s
+        self._token_digests: dict[str, str] = {}
 
     async def register(self, registration: Registration, token: str) -> tuple[int, str]:
         """Store the registration; returns (service id, secret). The first health check of a
@@ -125,7 +128,13 @@ class Directory:
             await self._index.caught_up()
 
     def _token_digest(self, token: str) -> str:
-        return keyed_digest(self._secret_key, sha256_hex(token))
+        # Every call digests its token: remembered, as clients are few and reuse theirs.
+        digest = self._token_digests.get(token)
+        if digest is None:
+            if len(self._token_digests) >= TOKEN_DIGESTS_REMEMBERED:
+                self._token_digests.clear()
+            digest = self._token_digests[token] = keyed_digest(self._secret_key, sha256_hex(token))
+        return digest
 
     async def deregister(self, service_id: int, secret: str, token: str) -> None:
         credentials = await self._store.credentials(service_id)
@@ -156,28 +165,24 @@ class Directory:
         for attempt in range(self.registration_lag_s + 1):
             if attempt:
                 await asyncio.sleep(1.0)
+            source: EntrySource = self._store
+            if self._index is not None and self._index.current:
+                source = self._index
+            lowest: int | None = None
+            if self.load_balancing and inquiry.service_id is None:
+                lowest = await source.lowest_load(inquiry, token_digest)
+                if lowest is None:
+                    continue
             found = False
-            async for page in self._find(inquiry, token_digest):
-                found = True
-                yield page
+            async for matches in source.find(inquiry, token_digest):
+                page = await self._recheck(matches) if self.check_on_inquire else matches
+                if self.load_balancing:
+                    page = self._balance(page, lowest)
+                if page:
+                    found = True
+                    yield page
             if found:
                 return
-
-    async def _find(self, inquiry: Inquiry, token_digest: str) -> AsyncIterator[list[Entry]]:
-        source: EntrySource = self._store
-        if self._index is not None and self._index.current:
-            source = self._index
-        lowest: int | None = None
-        if self.load_balancing and inquiry.service_id is None:
-            lowest = await source.lowest_load(inquiry, token_digest)
-            if lowest is None:
-                return
-        async for found in source.find(inquiry, token_digest):
-            page = await self._recheck(found) if self.check_on_inquire else found
-            if self.load_balancing:
-                page = self._balance(page, lowest)
-            if page:
-                yield page
 
     async def _recheck(self, entries: list[Entry]) -> list[Entry]:
         now = time.time_ns()

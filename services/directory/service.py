@@ -13,9 +13,9 @@ from services.directory.core import DEFAULT_FIRST_CHECK_WAIT_S, Directory, keyed
 from services.directory.health import HealthChecker
 from services.directory.index import FollowedIndex
 from services.directory.secret_key import directory_key
-from services.directory.servicer import DirectoryServicer
+from services.directory.servicer import add_directory_servicer
 from services.directory.store import DirectoryStore
-from shared.api import directory_pb2, directory_pb2_grpc
+from shared.api import directory_pb2
 from shared.config import Option, non_negative_float, non_negative_int, parse_bool, positive_float
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
@@ -165,9 +165,7 @@ class DirectoryService(Service[DirectorySettings]):
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         assert self.directory is not None, "start() comes first"
-        directory_pb2_grpc.add_DirectorySPServicer_to_server(
-            DirectoryServicer(self.directory, runtime), server
-        )
+        add_directory_servicer(server, self.directory, runtime)
 
     async def stop(self) -> None:
         await self.checker.stop()

@@ -1,10 +1,13 @@
 """The directory's gRPC layer: validates requests, translates them for the core, and answers in
-the reference's wire format (FAILED replies, not gRPC errors, on Register/Deregister)."""
+the reference's wire format (FAILED replies, not gRPC errors, on Register/Deregister). Inquire
+yields replies it encoded (`add_directory_servicer` serves them as they are)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Any
+
+import grpc
 
 from services.directory.core import Directory
 from services.directory.model import (
@@ -16,8 +19,9 @@ from services.directory.model import (
     Inquiry,
     Registration,
 )
-from shared.api import directory_pb2, directory_pb2_grpc
+from shared.api import directory_pb2
 from shared.errors import InvalidArgument, ServiceError, classify
+from shared.handlers import add_servicer, pre_encoded
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, VersionStatusMixin
 from shared.validation import checked_name_size, checked_properties, checked_text
@@ -27,6 +31,8 @@ TOKEN_METADATA_KEY = "authentication-token"
 # sends it as an inquired property. Either way it is the token, not a property to match.
 TOKEN_PROPERTY = "__authentication-token"
 MAX_PORT = 65535
+# Entries whose encoded inquiry replies are remembered (EncodedReplies).
+REPLIES_REMEMBERED = 65_536
 
 log = get_logger("directory.grpc")
 
@@ -110,10 +116,39 @@ def _refusal(error: Exception, unexpected: str, action: str) -> str:
     return f"{unexpected} [{type(error).__name__}]"
 
 
-class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServicer):
+def add_directory_servicer(server: grpc.aio.Server, directory: Directory, runtime: ServiceRuntime) -> None:
+    add_servicer(
+        server,
+        directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"],
+        DirectoryServicer(directory, runtime),
+        response_serializers={"Inquire": pre_encoded},
+    )
+
+
+class EncodedReplies:
+    """The InquireReply of each entry, encoded once: the index hands out the same Entry object
+    until the entry changes. Remembers REPLIES_REMEMBERED entries at most (all are forgotten past
+    it), whose replies are about 100 bytes each."""
+
+    def __init__(self) -> None:
+        self._replies: dict[int, tuple[Entry, bytes]] = {}
+
+    def of(self, entry: Entry) -> bytes:
+        remembered = self._replies.get(entry.service_id)
+        if remembered is not None and remembered[0] is entry:
+            return remembered[1]
+        if len(self._replies) >= REPLIES_REMEMBERED:
+            self._replies.clear()
+        encoded = directory_pb2.InquireReply(data=full_service_data(entry)).SerializeToString()
+        self._replies[entry.service_id] = (entry, encoded)
+        return encoded
+
+
+class DirectoryServicer(VersionStatusMixin):
     def __init__(self, directory: Directory, runtime: ServiceRuntime) -> None:
         self.directory = directory
         self.runtime = runtime
+        self.replies = EncodedReplies()
 
     async def Register(
         self, request_iterator: AsyncIterator[directory_pb2.RegisterRequest], context: Any
@@ -150,10 +185,10 @@ class DirectoryServicer(VersionStatusMixin, directory_pb2_grpc.DirectorySPServic
                 continue
             yield directory_pb2.DeregisterReply(status=directory_pb2.DeregisterReply.OK)
 
-    async def Inquire(
-        self, request: directory_pb2.InquireRequest, context: Any
-    ) -> AsyncIterator[directory_pb2.InquireReply]:
+    async def Inquire(self, request: directory_pb2.InquireRequest, context: Any) -> AsyncIterator[bytes]:
+        """Yields encoded InquireReply messages (`EncodedReplies`)."""
         inquiry, token = inquiry_from_request(request, authentication_token(context))
+        replies = self.replies
         async for page in self.directory.inquire(inquiry, token):
             for entry in page:
-                yield directory_pb2.InquireReply(data=full_service_data(entry))
+                yield replies.of(entry)
