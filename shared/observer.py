@@ -179,40 +179,47 @@ async def _drain(requests: AsyncIterator[Any]) -> None:
 
 
 class _ObservedCall:
-    """Counts, times and logs one call, and ends it with the status of its outcome."""
+    """Counts, times and logs one call (from its creation), and ends it with the status of its
+    outcome. Plain methods rather than an async context manager: this runs on every call."""
 
     __slots__ = ("context", "peer", "recorder", "requests", "started_at")
 
     def __init__(self, recorder: _CallRecorder, context: Any, requests: AsyncIterator[Any] | None) -> None:
+        recorder.started.inc()
         self.recorder = recorder
         self.context = context
         # The request stream of a client-streaming call (what is left of it is drained on errors).
         self.requests = requests
-        self.started_at = 0.0
-        self.peer = ""
-
-    async def __aenter__(self) -> None:
-        self.recorder.started.inc()
         self.started_at = time.perf_counter()
         # Read now: grpcio 1.85 can crash (SIGSEGV) in `peer()` once the client cancelled the call.
-        self.peer = self.context.peer()
+        self.peer = context.peer()
 
-    async def __aexit__(self, _type: Any, error: BaseException | None, _traceback: Any) -> bool:
+    def succeeded(self) -> None:
+        self.recorder.finish(_final_code(self.context), self.started_at, self.context.details(), self.peer)
+
+    async def failed(self, error: BaseException) -> None:
+        """Record how the handler failed; an Exception ends the call with its status (raises
+        AbortError), anything else (a cancellation) is for the caller to raise on."""
         code, details = _outcome(error, self.recorder, self.context)
         self.recorder.finish(code, self.started_at, details, self.peer)
         if isinstance(error, Exception) and not isinstance(error, grpc.aio.AbortError):
             if self.requests is not None:
                 await _drain(self.requests)
-            await self.context.abort(code, details)  # raises AbortError
-        return False
+            await self.context.abort(code, details)
 
 
 def _wrap_unary_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> Any:
-        async with _ObservedCall(recorder, context, request if streaming else None):
-            return await behavior(await _admitted(request, streaming, context), context)
+        call = _ObservedCall(recorder, context, request if streaming else None)
+        try:
+            response = await behavior(await _admitted(request, streaming, context), context)
+        except BaseException as error:
+            await call.failed(error)
+            raise
+        call.succeeded()
+        return response
 
     return handle
 
@@ -221,9 +228,14 @@ def _wrap_stream_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
-        async with _ObservedCall(recorder, context, request if streaming else None):
+        call = _ObservedCall(recorder, context, request if streaming else None)
+        try:
             async for response in behavior(await _admitted(request, streaming, context), context):
                 yield response
+        except BaseException as error:
+            await call.failed(error)
+            raise
+        call.succeeded()
 
     return handle
 
