@@ -27,8 +27,10 @@ from shared.logging import get_logger
 RECENT_CHECK_NS = 100_000_000
 # How long Register waits for a new entry's first health check.
 DEFAULT_FIRST_CHECK_WAIT_S = 1.0
-# Tokens whose digests are remembered at most (all are forgotten past it).
+# Tokens whose digests are remembered at most (all are forgotten past it), and the longest
+# remembered: 4,096 tokens of 256 characters at most.
 TOKEN_DIGESTS_REMEMBERED = 4096
+REMEMBERED_TOKEN_CHARS = 256
 # Load balancing keeps entries within this much of the least loaded one.
 ACCEPTABLE_LOAD_RANGE = 10
 
@@ -128,12 +130,15 @@ class Directory:
             await self._index.caught_up()
 
     def _token_digest(self, token: str) -> str:
-        # Every call digests its token: remembered, as clients are few and reuse theirs.
+        # Every call digests its token: remembered, as clients are few and reuse theirs (short
+        # ones only: a client may send megabytes as a token).
         digest = self._token_digests.get(token)
         if digest is None:
-            if len(self._token_digests) >= TOKEN_DIGESTS_REMEMBERED:
-                self._token_digests.clear()
-            digest = self._token_digests[token] = keyed_digest(self._secret_key, sha256_hex(token))
+            digest = keyed_digest(self._secret_key, sha256_hex(token))
+            if len(token) <= REMEMBERED_TOKEN_CHARS:
+                if len(self._token_digests) >= TOKEN_DIGESTS_REMEMBERED:
+                    self._token_digests.clear()
+                self._token_digests[token] = digest
         return digest
 
     async def deregister(self, service_id: int, secret: str, token: str) -> None:

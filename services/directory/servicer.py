@@ -4,6 +4,7 @@ yields replies it encoded (`add_directory_servicer` serves them as they are)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,8 +32,10 @@ TOKEN_METADATA_KEY = "authentication-token"
 # sends it as an inquired property. Either way it is the token, not a property to match.
 TOKEN_PROPERTY = "__authentication-token"
 MAX_PORT = 65535
-# Entries whose encoded inquiry replies are remembered (EncodedReplies).
+# Encoded inquiry replies remembered (EncodedReplies): how many, their bytes in all, the largest.
 REPLIES_REMEMBERED = 65_536
+REPLIES_BYTES = 16 * 1024 * 1024
+REMEMBERED_REPLY_BYTES = 4096
 
 log = get_logger("directory.grpc")
 
@@ -126,21 +129,30 @@ def add_directory_servicer(server: grpc.aio.Server, directory: Directory, runtim
 
 
 class EncodedReplies:
-    """The InquireReply of each entry, encoded once: the index hands out the same Entry object
-    until the entry changes. Remembers REPLIES_REMEMBERED entries at most (all are forgotten past
-    it), whose replies are about 100 bytes each."""
+    """The InquireReply of each entry, encoded once per Entry object: the index hands out the
+    same object until it holds a new record of the entry (a change, a health-check result).
+    Bounded: replies of REPLIES_REMEMBERED entries and REPLIES_BYTES at most (all are forgotten
+    past either), none over REMEMBERED_REPLY_BYTES; entries are referred to weakly, so an entry
+    the index dropped is not kept alive."""
 
     def __init__(self) -> None:
-        self._replies: dict[int, tuple[Entry, bytes]] = {}
+        self._replies: dict[int, tuple[weakref.ref[Entry], bytes]] = {}
+        self._bytes = 0
 
     def of(self, entry: Entry) -> bytes:
         remembered = self._replies.get(entry.service_id)
-        if remembered is not None and remembered[0] is entry:
+        if remembered is not None and remembered[0]() is entry:
             return remembered[1]
-        if len(self._replies) >= REPLIES_REMEMBERED:
-            self._replies.clear()
         encoded = directory_pb2.InquireReply(data=full_service_data(entry)).SerializeToString()
-        self._replies[entry.service_id] = (entry, encoded)
+        if remembered is not None:  # of an earlier record of the entry
+            del self._replies[entry.service_id]
+            self._bytes -= len(remembered[1])
+        if len(encoded) <= REMEMBERED_REPLY_BYTES:
+            if len(self._replies) >= REPLIES_REMEMBERED or self._bytes + len(encoded) > REPLIES_BYTES:
+                self._replies.clear()
+                self._bytes = 0
+            self._replies[entry.service_id] = (weakref.ref(entry), encoded)
+            self._bytes += len(encoded)
         return encoded
 
 

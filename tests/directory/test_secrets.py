@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
+from services.directory import core
 from services.directory.core import derive_secret
 from services.directory.model import Endpoint, Registration
 from services.directory.secret_key import KEY_FILE
@@ -79,3 +81,15 @@ async def test_an_earlier_releases_database_keeps_its_tokens_and_secrets(
             assert (tmp_path / "data" / KEY_FILE).read_text() == "the-old-key"
         (done,) = await deregister(directory, (service_id, issued_secret), token="old-token")
         assert done.status == OK
+
+
+def test_token_digests_remembered_are_few_and_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core, "TOKEN_DIGESTS_REMEMBERED", 4)
+    directory = core.Directory(None, None, b"key")  # type: ignore[arg-type]  # digests only
+    for number in range(10):
+        token = f"token-{number}"
+        assert directory._token_digest(token) == core.keyed_digest(b"key", sha256_hex(token))
+        assert len(directory._token_digests) <= 4
+    long_token = "t" * (core.REMEMBERED_TOKEN_CHARS + 1)
+    assert directory._token_digest(long_token) == core.keyed_digest(b"key", sha256_hex(long_token))
+    assert long_token not in directory._token_digests
