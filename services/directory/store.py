@@ -29,6 +29,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.elements import TextClause
 
 from services.directory.model import (
     CHECK_LEASE_NS,
@@ -122,6 +123,26 @@ class IndexRow:
 
 def _index_row(row: Sequence[Any]) -> IndexRow:
     return IndexRow(_entry(row[:-2]), row[-2], bool(row[-1]))
+
+
+@functools.cache
+def _insert_entries(service_columns: tuple[str, ...]) -> TextClause:
+    """PostgreSQL: a batch's new entries (rows of these columns) and their properties in one
+    statement, each set passed as one JSON parameter: an executemany costs the client a
+    statement's work per row."""
+
+    def rows(table: str, columns: Sequence[str], parameter: str) -> str:
+        names = ", ".join(columns)
+        return (
+            f"INSERT INTO {table} ({names}) SELECT {names} "
+            f"FROM jsonb_populate_recordset(NULL::{table}, CAST(:{parameter} AS jsonb))"
+        )
+
+    property_columns = [column.name for column in properties_table.columns]
+    return text(
+        f"WITH inserted AS ({rows(services.name, service_columns, 'services')}) "
+        f"{rows(properties_table.name, property_columns, 'properties')}"
+    )
 
 
 def _service_row(registration: Registration, token_digest: str, now_ns: int) -> dict[str, Any]:
@@ -390,6 +411,7 @@ class DirectoryStore:
 
     async def _add_batch(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
         upsert_permanent = self._upsert_permanent
+        postgresql = self.db.is_postgresql
 
         def write(transaction: Transaction) -> list[tuple[int, str, bool]]:
             results: list[tuple[int, str, bool]] = []
@@ -415,10 +437,16 @@ class DirectoryStore:
                         for name, value in pending.registration.properties.items()
                     ]
                 results.append((int(stored_id), str(stored_nonce), created))
-            if new_rows:
-                transaction.execute(insert(services), new_rows)
-            if new_properties:
-                transaction.execute(insert(properties_table), new_properties)
+            if postgresql and new_rows:
+                transaction.execute(
+                    _insert_entries(tuple(new_rows[0])),
+                    {"services": json.dumps(new_rows), "properties": json.dumps(new_properties)},
+                )
+            else:
+                if new_rows:
+                    transaction.execute(insert(services), new_rows)
+                if new_properties:
+                    transaction.execute(insert(properties_table), new_properties)
             # A new entry of an unchecked kind goes into this replica's index as written
             # (Directory.register): only the other replicas need to read it.
             written = [
