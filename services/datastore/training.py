@@ -183,30 +183,28 @@ class TrainingData:
         order = np.argsort(numbers, kind="stable")
         table = table.take(order)
         numbers = numbers[order]
-        names = table["actor_name"].to_pylist()
-        classes = table["actor_class"].to_pylist()
-        implementations = table["actor_implementation"].to_pylist()
-        terminal = table["is_terminal"].to_pylist()
-        last = table["is_last"].to_pylist()
-        episodes = []
-        starts = np.flatnonzero(np.r_[True, numbers[1:] != numbers[:-1]]) if len(numbers) else np.zeros(0)
-        ends = [*starts[1:], len(numbers)] if len(numbers) else []
-        sorted_trials = table["trial_id"].to_pylist()
-        sorted_actors = table["actor"].to_pylist()
-        for start, end in zip(starts, ends, strict=True):
-            final = end - 1
-            episodes.append(
-                Episode(
-                    trial_id=sorted_trials[start],
-                    actor=sorted_actors[start],
-                    actor_name=names[start],
-                    actor_class=classes[start],
-                    actor_implementation=implementations[start],
-                    first_step=int(start),
-                    steps=int(end - start),
-                    ended=bool(terminal[final]) and bool(last[final]),
-                )
+        # Where each episode starts, then the end of the last one (none for no rows).
+        bounds = np.flatnonzero(np.diff(numbers, prepend=-1, append=-1))
+        starts, ends = bounds[:-1], bounds[1:]
+        heads = table.take(starts).select(
+            ["trial_id", "actor", "actor_name", "actor_class", "actor_implementation"]
+        )
+        finals = table.take(ends - 1).select(["is_last", "is_terminal"])
+        episodes = [
+            Episode(
+                trial_id=head["trial_id"],
+                actor=head["actor"],
+                actor_name=head["actor_name"],
+                actor_class=head["actor_class"],
+                actor_implementation=head["actor_implementation"],
+                first_step=int(start),
+                steps=int(end - start),
+                ended=bool(final["is_terminal"]) and bool(final["is_last"]),
             )
+            for head, final, start, end in zip(
+                heads.to_pylist(), finals.to_pylist(), starts, ends, strict=True
+            )
+        ]
         rewards = table["reward"].fill_null(0.0).to_numpy(zero_copy_only=False).astype(np.float32)
         return cls(
             episodes,
