@@ -37,6 +37,7 @@ from tests.helpers.datastore import (
     list_trials,
     read_samples,
     run_datalog,
+    send_acknowledged,
     trial_params,
 )
 from tests.helpers.running import RunningDatastore
@@ -444,15 +445,11 @@ async def test_import_refuses_existing_trials(datastore: RunningDatastore, tmp_p
 async def test_export_cuts_ongoing_trials_at_their_count(datastore: RunningDatastore, tmp_path: Path) -> None:
     call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"),))
     inputs = datalog_inputs(trial_params(), [datalog_sample(tick) for tick in range(8)])
-    for message in inputs[:6]:  # the parameters and 5 samples
-        await call.write(message)
-        await call.read()
+    await send_acknowledged(call, inputs[:6])  # the parameters and 5 samples
     target = tmp_path / "live.trials"
     # The trial goes on: the export stops at the 5 samples it had.
     await ok(datastore, "export", "live", "--file", str(target))
-    for message in inputs[6:]:
-        await call.write(message)
-        await call.read()
+    await send_acknowledged(call, inputs[6:])
     await call.done_writing()
     _, samples = parse_by_hand(target.read_bytes())
     assert [s.tick_id for s in samples] == [0, 1, 2, 3, 4]

@@ -25,6 +25,7 @@ from tests.helpers.datastore import (
     datalog_sample,
     read_samples,
     run_datalog,
+    send_acknowledged,
     trial_params,
 )
 from tests.helpers.running import RunningDatastore
@@ -198,15 +199,11 @@ async def test_a_live_trial_is_cut_where_the_export_started(
 ) -> None:
     call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"),))
     inputs = datalog_inputs(trial_params(), [rewarded(tick) for tick in range(8)])
-    for message in inputs[:6]:  # the parameters and 5 samples
-        await call.write(message)
-        await call.read()
+    await send_acknowledged(call, inputs[:6])  # the parameters and 5 samples
     target = tmp_path / "dataset"
     code, _, err = await export(datastore, "live", "--file", str(target))
     assert code == 0, err
-    for message in inputs[6:]:
-        await call.write(message)
-        await call.read()
+    await send_acknowledged(call, inputs[6:])
     await call.done_writing()
     rows = pq.read_table(target / "steps.parquet").to_pylist()
     assert sorted({row["tick_id"] for row in rows}) == [0, 1, 2, 3, 4]

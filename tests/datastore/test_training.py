@@ -21,7 +21,13 @@ from services.datastore.dataset import STEPS_FILE, STEPS_SCHEMA
 from services.datastore.training import TrainingData, shifts_of
 from shared.api import common_pb2
 from shared.cli import ClientError
-from tests.helpers.datastore import datalog_inputs, datalog_sample, run_datalog, trial_params
+from tests.helpers.datastore import (
+    datalog_inputs,
+    datalog_sample,
+    run_datalog,
+    send_acknowledged,
+    trial_params,
+)
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import RunningDatastore
 
@@ -189,9 +195,7 @@ async def test_reads_stored_and_live_trials_from_a_datastore(datastore: RunningD
     await run_datalog(datastore, "ended", ended)
     live = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"),))
     inputs = datalog_inputs(trial_params(), [datalog_sample(tick) for tick in range(5)])
-    for message in inputs[:4]:
-        await live.write(message)
-        await live.read()
+    await send_acknowledged(live, inputs[:4])
 
     # From async code (this test) the blocking reader goes to a thread.
     data = await asyncio.to_thread(
@@ -201,9 +205,7 @@ async def test_reads_stored_and_live_trials_from_a_datastore(datastore: RunningD
         actor_names=["alice", "bob"],
         decode_observation=bytes.decode,
     )
-    for message in inputs[4:]:
-        await live.write(message)
-        await live.read()
+    await send_acknowledged(live, inputs[4:])
     await live.done_writing()
 
     assert [(e.trial_id, e.actor_name, e.steps, e.ended) for e in data.episodes] == [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from google.protobuf import any_pb2
 
@@ -55,6 +56,14 @@ def datalog_inputs(
     return [datalog_pb2.RunTrialDatalogInput(trial_params=params)] + [
         datalog_pb2.RunTrialDatalogInput(sample=sample) for sample in samples
     ]
+
+
+async def send_acknowledged(call: Any, inputs: Sequence[datalog_pb2.RunTrialDatalogInput]) -> None:
+    """Write each input on an open RunTrialDatalog call and wait for its acknowledgement, as the
+    orchestrator of a trial still running does."""
+    for message in inputs:
+        await call.write(message)
+        await call.read()
 
 
 def full_trial(ticks: int) -> list[datalog_pb2.DatalogSample]:
