@@ -18,6 +18,7 @@ way a row's reward is its own plus the sum of its late ones, added in that order
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -289,8 +290,9 @@ class TrialSteps:
     ticks: int = 0  # ticks written
     samples: int = 0  # stored samples read (late rewards included)
 
-    @property
+    @functools.cached_property
     def actors(self) -> list[tuple[str, str, str]]:
+        """(name, class, implementation) of each actor, in index order (read once per tick)."""
         return [(a.name, a.actor_class, a.implementation) for a in self.info.params.actors]
 
     @property
