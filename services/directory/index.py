@@ -124,6 +124,12 @@ class EntryIndex:
 K = TypeVar("K")
 
 
+def _release(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+
+
 def _remove(index: dict[K, set[int]], key: K, service_id: int) -> None:
     ids = index.get(key)
     if ids is not None:
@@ -219,9 +225,7 @@ class FollowedIndex:
 
     def _release_waiters(self) -> None:
         waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        _release(waiters)
 
     def put_new(self, row: IndexRow) -> None:
         """A new entry this replica just committed, put in as written: only for an entry nobody
@@ -245,9 +249,7 @@ class FollowedIndex:
                 try:
                     await self._apply_pending()
                 finally:
-                    for waiter in waiters:
-                        if not waiter.done():
-                            waiter.set_result(None)
+                    _release(waiters)
         except Exception:
             # The database is away (or a bug): answer from the database until a reload succeeds.
             self.current = False
