@@ -52,7 +52,10 @@ from typing import Any, BinaryIO, TextIO
 
 import grpc
 
-from services.datastore import dataset
+try:
+    from services.datastore import dataset
+except ImportError:  # pyarrow: the `dataset` extra, which only `--format parquet` needs
+    dataset = None  # type: ignore[assignment]
 from services.datastore.trial_file import TrialFileError, TrialFileReader, TrialFileWriter, file_header
 from shared.api import common_pb2, trial_datastore_pb2, trial_datastore_pb2_grpc
 from shared.cli import (
@@ -281,8 +284,18 @@ async def run_delete_trials(context: DatastoreContext) -> None:
         print(message, file=context.out)
 
 
+def require_dataset_extra() -> None:
+    if dataset is None:
+        raise ClientError(
+            f"--format {PARQUET_FORMAT} needs pyarrow and numpy: pip install 'cogment-aux[dataset]' "
+            "(make install has them)"
+        )
+
+
 async def run_export(context: DatastoreContext) -> None:
     client, values = context.client, context.values
+    if values["format"] == PARQUET_FORMAT:
+        require_dataset_extra()
     infos, counts = await export_selection(client, values["trial_ids"])
     progress = make_progress(
         f"Exporting {len(counts)} trials", sum(counts.values()), SAMPLES, values, context.err
@@ -386,6 +399,7 @@ async def download_dataset(
     these trials, stored or live (cut where the call starts), written into `directory`;
     (samples read, step rows written). Failures raise ClientError, whose message says why, as
     the command line's would."""
+    require_dataset_extra()
     try:
         address = parse_grpc_endpoint(endpoint)
     except ValueError as error:

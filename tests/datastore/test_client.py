@@ -40,6 +40,7 @@ from tests.helpers.datastore import (
     send_acknowledged,
     trial_params,
 )
+from tests.helpers.fake_services import free_port
 from tests.helpers.running import RunningDatastore
 from tests.helpers.services import PROJECT_ROOT, clean_environment
 
@@ -606,3 +607,29 @@ def test_reader_errors_are_clear() -> None:
         read_all(TrialFileReader(io.BytesIO(garbage)))
     with pytest.raises(TrialFileError, match=r"the header .* is not a valid TrialSamplesFileHeader"):
         TrialFileReader(io.BytesIO(MAGIC + frame(b"\xff"))).read_header()
+
+
+def test_without_the_dataset_extra_only_parquet_exports_are_refused() -> None:
+    """`make run` installs no pyarrow: the client still works, and a Parquet export says what to
+    install (before calling the datastore: none listens here)."""
+    blocked = "import runpy, sys; sys.modules['pyarrow'] = None; "
+    endpoint = f"grpc://127.0.0.1:{free_port()}"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        main = "runpy.run_module('services.datastore.client', run_name='__main__')"
+        code = f"{blocked}sys.argv = ['client', *{list(args)!r}]; {main}"
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=PROJECT_ROOT, env=clean_environment(), capture_output=True,
+            text=True, timeout=60,
+        )  # fmt: skip
+
+    listed = run("list", "--endpoint", endpoint)
+    assert listed.returncode == 1 and listed.stderr.startswith("Error: cannot reach the trial datastore"), (
+        listed
+    )
+    exported = run("export", "t", "--format", "parquet", "--file", "dataset", "--endpoint", endpoint)
+    assert exported.returncode == 1, exported
+    assert exported.stderr == (
+        "Error: --format parquet needs pyarrow and numpy: pip install 'cogment-aux[dataset]' "
+        "(make install has them)\n"
+    ), exported
