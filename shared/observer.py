@@ -50,13 +50,10 @@ UNDECODABLE_MESSAGE = "request is not a valid message of this method's type"
 
 @dataclass
 class _CallRecorder:
-    """Metrics children and log fields of one method, looked up once rather than per call."""
+    """The figures and log fields of one method, looked up once rather than per call."""
 
     rpc: str
-    labels: tuple[str, str, str]
-    started: Any
-    seconds: Any
-    handled: dict[grpc.StatusCode, Any]
+    stats: metrics.RpcStats
     # Told when a call failed because a dependency is away (see shared.dependencies).
     on_dependency_failure: Callable[[], None]
 
@@ -65,23 +62,15 @@ class _CallRecorder:
         cls, method: str, rpc_type: str, on_dependency_failure: Callable[[], None]
     ) -> _CallRecorder:
         service, _, name = method.lstrip("/").partition("/")
-        labels = (rpc_type, service, name)
         return cls(
             rpc=method,
-            labels=labels,
-            started=metrics.started_total.labels(*labels),
-            seconds=metrics.handling_seconds.labels(*labels),
-            handled={},
+            stats=metrics.rpc_metrics.stats(rpc_type, service, name),
             on_dependency_failure=on_dependency_failure,
         )
 
     def finish(self, code: grpc.StatusCode, started_at: float, details: str | None, peer: str) -> None:
         elapsed = time.perf_counter() - started_at
-        handled = self.handled.get(code)
-        if handled is None:
-            handled = self.handled[code] = metrics.handled_total.labels(*self.labels, code.name)
-        handled.inc()
-        self.seconds.observe(elapsed)
+        self.stats.finished(code.name, elapsed)
         if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
             if log.is_enabled_for(logging.DEBUG):  # skip building the fields on the hot path
                 log.debug("rpc", rpc=self.rpc, code=code.name, seconds=round(elapsed, 6), peer=peer)
@@ -185,7 +174,7 @@ class _ObservedCall:
     __slots__ = ("context", "peer", "recorder", "requests", "started_at")
 
     def __init__(self, recorder: _CallRecorder, context: Any, requests: AsyncIterator[Any] | None) -> None:
-        recorder.started.inc()
+        recorder.stats.started += 1
         self.recorder = recorder
         self.context = context
         # The request stream of a client-streaming call (what is left of it is drained on errors).
