@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
+
+from shared.errors import InvalidArgument
+
+M = TypeVar("M", bound=Message)
+
+# What request bytes that do not parse are answered (INVALID_ARGUMENT; grpc itself would answer UNKNOWN).
+UNDECODABLE_MESSAGE = "request is not a valid message of this method's type"
 
 # The grpc handler factory of a method, by (client streaming, server streaming).
 HANDLER_FACTORY: Mapping[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
@@ -23,26 +31,43 @@ def add_servicer(
     service: ServiceDescriptor,
     servicer: object,
     response_serializers: Mapping[str, Callable[[Any], bytes]] | None = None,
+    raw_requests: Iterable[str] = (),
 ) -> None:
     """Serve every method of `service` with the servicer's method of the same name.
 
     What the generated `add_*Servicer_to_server` functions do, plus per-method response
     serializers: a method can then yield bytes it encoded itself (e.g. large data chunks framed
-    without building, then serializing, a message around each).
+    without building, then serializing, a message around each). The methods of `raw_requests` are
+    given their request's bytes, to parse with `parse_request` (or not, when they recognise them).
     """
     overrides = response_serializers or {}
+    raw = set(raw_requests)
     handlers = {}
     for method in service.methods:
         factory = HANDLER_FACTORY[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=GetMessageClass(method.input_type).FromString,
+            request_deserializer=(
+                _request_bytes if method.name in raw else GetMessageClass(method.input_type).FromString
+            ),
             response_serializer=overrides.get(
                 method.name, GetMessageClass(method.output_type).SerializeToString
             ),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _request_bytes(data: bytes) -> bytes:
+    return data
+
+
+def parse_request(message_type: type[M], data: bytes) -> M:
+    """The request of a method served with its raw bytes (see `add_servicer`)."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        raise InvalidArgument(UNDECODABLE_MESSAGE) from None
 
 
 def field_one_frame(payload: bytes | memoryview) -> bytes:

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from shared import metrics
 from shared.errors import Unavailable, classify
-from shared.handlers import HANDLER_FACTORY
+from shared.handlers import HANDLER_FACTORY, UNDECODABLE_MESSAGE
 from shared.logging import get_logger
 
 log = get_logger("shared.observer")
@@ -45,7 +45,6 @@ INTERNAL_ERROR_MESSAGE = "internal error (logged on the server)"
 # What is left of a failed call's request stream is read for at most this long, and this much.
 DRAIN_LIMIT_S = 2.0
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
-UNDECODABLE_MESSAGE = "request is not a valid message of this method's type"
 
 
 @dataclass

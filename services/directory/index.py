@@ -19,6 +19,7 @@ Consistency (see the README's "Directory consistency"):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ PAGE_ENTRIES = 1000
 
 log = get_logger("directory.index")
 
+# Generations of every index of the process: a change draws the next, so no two states of any
+# index (a reloaded one included) share one.
+_GENERATIONS = itertools.count(1)
+
 
 @dataclass(frozen=True)
 class _Indexed:
@@ -55,6 +60,9 @@ class EntryIndex:
         self._by_token: dict[str, set[int]] = {}
         self._by_token_type: dict[tuple[str, int], set[int]] = {}
         self._by_pair: dict[tuple[str, str], set[int]] = {}
+        # Changes with every change of the entries: answers found at one generation hold until it
+        # changes (see `Directory.answer_stamp`).
+        self.generation = next(_GENERATIONS)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,6 +72,7 @@ class EntryIndex:
 
     def put(self, row: IndexRow) -> None:
         self.discard(row.entry.service_id)
+        self.generation = next(_GENERATIONS)
         service_id = row.entry.service_id
         token_digest = sys.intern(row.token_digest)  # a few tokens, one copy each
         self._entries[service_id] = _Indexed(row.entry, token_digest, row.visible)
@@ -76,6 +85,7 @@ class EntryIndex:
         indexed = self._entries.pop(service_id, None)
         if indexed is None:
             return
+        self.generation = next(_GENERATIONS)
         entry = indexed.entry
         _remove(self._by_token, indexed.token_digest, service_id)
         _remove(self._by_token_type, (indexed.token_digest, entry.service_type), service_id)
@@ -291,6 +301,7 @@ class FollowedIndex:
             if service_id not in fresh and service_id not in self._pending:  # not since removed
                 fresh.put(row)
         self._new.clear()
+        fresh.generation = next(_GENERATIONS)  # newer than any state of the index it replaces
         self.index = fresh
         # Current only if the feed listened all along: a change during the reload may have
         # been missed otherwise (`lost` then cleared `_listening`, and a new reload is due).

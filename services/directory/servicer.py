@@ -1,6 +1,7 @@
 """The directory's gRPC layer: validates requests, translates them for the core, and answers in
 the reference's wire format (FAILED replies, not gRPC errors, on Register/Deregister). Inquire
-yields replies it encoded (`add_directory_servicer` serves them as they are)."""
+is given its request's bytes and yields replies it encoded (`add_directory_servicer`): a repeated
+inquiry is answered from the bytes of its last answer while nothing it depends on changed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from services.directory.model import (
 )
 from shared.api import directory_pb2
 from shared.errors import InvalidArgument, ServiceError, classify
-from shared.handlers import add_servicer, pre_encoded
+from shared.handlers import add_servicer, parse_request, pre_encoded
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, VersionStatusMixin
 from shared.validation import checked_name_size, checked_properties, checked_text
@@ -36,6 +37,11 @@ MAX_PORT = 65535
 REPLIES_REMEMBERED = 65_536
 REPLIES_BYTES = 16 * 1024 * 1024
 REMEMBERED_REPLY_BYTES = 4096
+# Whole answers remembered (EncodedAnswers): how many, their bytes in all (requests and tokens
+# included), the largest.
+ANSWERS_REMEMBERED = 16_384
+ANSWERS_BYTES = 16 * 1024 * 1024
+REMEMBERED_ANSWER_BYTES = 16 * 1024
 
 log = get_logger("directory.grpc")
 
@@ -125,7 +131,41 @@ def add_directory_servicer(server: grpc.aio.Server, directory: Directory, runtim
         directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"],
         DirectoryServicer(directory, runtime),
         response_serializers={"Inquire": pre_encoded},
+        raw_requests=["Inquire"],
     )
+
+
+class EncodedAnswers:
+    """The encoded replies of recent answers, by the inquiry's request bytes and metadata token,
+    each with the directory's answer stamp when it was found (`Directory.answer_stamp`): valid while
+    the stamp is the same. Orchestrators and SDKs ask the same inquiries again and again; such an
+    inquiry is then neither parsed nor looked up. Bounded: ANSWERS_REMEMBERED answers and
+    ANSWERS_BYTES at most (all are forgotten past either), none over REMEMBERED_ANSWER_BYTES."""
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple[bytes, str], tuple[int, list[bytes]]] = {}
+        self._bytes = 0
+
+    def get(self, request: bytes, token: str, stamp: int) -> list[bytes] | None:
+        remembered = self._answers.get((request, token))
+        return remembered[1] if remembered is not None and remembered[0] == stamp else None
+
+    def put(self, request: bytes, token: str, stamp: int, replies: list[bytes], size: int) -> None:
+        """`size`: the replies' bytes, at most REMEMBERED_ANSWER_BYTES."""
+        key = (request, token)
+        size += len(request) + len(token)
+        earlier = self._answers.pop(key, None)
+        if earlier is not None:
+            self._bytes -= _answer_bytes(key, earlier[1])
+        if len(self._answers) >= ANSWERS_REMEMBERED or self._bytes + size > ANSWERS_BYTES:
+            self._answers.clear()
+            self._bytes = 0
+        self._answers[key] = (stamp, replies)
+        self._bytes += size
+
+
+def _answer_bytes(key: tuple[bytes, str], replies: list[bytes]) -> int:
+    return len(key[0]) + len(key[1]) + sum(len(reply) for reply in replies)
 
 
 class EncodedReplies:
@@ -161,6 +201,7 @@ class DirectoryServicer(VersionStatusMixin):
         self.directory = directory
         self.runtime = runtime
         self.replies = EncodedReplies()
+        self.answers = EncodedAnswers()
 
     async def Register(
         self, request_iterator: AsyncIterator[directory_pb2.RegisterRequest], context: Any
@@ -197,10 +238,32 @@ class DirectoryServicer(VersionStatusMixin):
                 continue
             yield directory_pb2.DeregisterReply(status=directory_pb2.DeregisterReply.OK)
 
-    async def Inquire(self, request: directory_pb2.InquireRequest, context: Any) -> AsyncIterator[bytes]:
-        """Yields encoded InquireReply messages (`EncodedReplies`)."""
-        inquiry, token = inquiry_from_request(request, authentication_token(context))
+    async def Inquire(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        """Yields encoded InquireReply messages: a remembered answer's (`EncodedAnswers`), else
+        each match's (`EncodedReplies`)."""
+        metadata_token = authentication_token(context)
+        stamp = self.directory.answer_stamp()
+        if stamp is not None:
+            answer = self.answers.get(request, metadata_token, stamp)
+            if answer is not None:
+                for reply in answer:
+                    yield reply
+                return
+        inquiry, token = inquiry_from_request(
+            parse_request(directory_pb2.InquireRequest, request), metadata_token
+        )
         replies = self.replies
+        # What is sent, kept until it is too large to remember (a wide answer is never held whole).
+        sent: list[bytes] | None = [] if stamp is not None else None
+        sent_bytes = 0
         async for page in self.directory.inquire(inquiry, token):
             for entry in page:
-                yield replies.of(entry)
+                reply = replies.of(entry)
+                if sent is not None:
+                    sent_bytes += len(reply)
+                    sent = sent if sent_bytes <= REMEMBERED_ANSWER_BYTES else None
+                    if sent is not None:
+                        sent.append(reply)
+                yield reply
+        if sent and stamp is not None:
+            self.answers.put(request, metadata_token, stamp, sent, sent_bytes)

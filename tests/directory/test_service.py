@@ -16,6 +16,7 @@ from services.directory.store import PROPERTY_COUNT_CAP, DirectoryStore
 from shared import schema
 from shared.api import common_pb2, directory_pb2
 from shared.db import Database
+from shared.handlers import UNDECODABLE_MESSAGE
 from shared.validation import MAX_PROPERTIES
 from tests.helpers.directory import (
     ACTOR,
@@ -148,6 +149,32 @@ async def test_most_recently_registered_first(directory: RunningDirectory) -> No
     for _ in range(5):
         ids += await register_ok(directory, request(ACTOR, {"order": "x"}))
     assert await visible_ids(directory, properties={"order": "x"}) == list(reversed(ids))
+
+
+async def test_a_repeated_inquiry_sees_every_change(directory: RunningDirectory) -> None:
+    """The same request bytes, asked again and again (answered from the remembered answer while
+    nothing changed), see each registration, removal and token at once."""
+    (first,) = await register(directory, request(ACTOR, {"repeat": "x"}))
+    for _ in range(3):
+        assert await visible_ids(directory, properties={"repeat": "x"}) == [first.service_id]
+    assert await visible_ids(directory, properties={"repeat": "x"}, token="team") == []
+    (second,) = await register(directory, request(ACTOR, {"repeat": "x"}))
+    assert await visible_ids(directory, properties={"repeat": "x"}) == [second.service_id, first.service_id]
+    (team,) = await register(directory, request(ACTOR, {"repeat": "x"}), token="team")
+    assert await visible_ids(directory, properties={"repeat": "x"}, token="team") == [team.service_id]
+    assert await visible_ids(directory, properties={"repeat": "x"}) == [second.service_id, first.service_id]
+    (removed,) = await deregister(directory, (second.service_id, second.secret))
+    assert removed.status == OK
+    assert await visible_ids(directory, properties={"repeat": "x"}) == [first.service_id]
+    assert await visible_ids(directory, service_id=second.service_id) == []
+
+
+async def test_undecodable_inquiry_bytes_are_invalid_argument(directory: RunningDirectory) -> None:
+    raw = directory.channel.unary_stream("/cogmentAPI.DirectorySP/Inquire")
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        _ = [reply async for reply in raw(b"\xff\xff\xff")]
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == UNDECODABLE_MESSAGE
 
 
 async def test_no_match_is_an_empty_ok_stream(directory: RunningDirectory) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -54,3 +55,77 @@ def test_what_is_remembered_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     del dropped
     gc.collect()
     assert replies._replies[30][0]() is None
+
+
+def test_an_answer_holds_while_its_stamp_does_and_what_is_remembered_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = servicer.EncodedAnswers()
+    answers.put(b"inquiry", "token", 5, [b"reply"], 5)
+    assert answers.get(b"inquiry", "token", 5) == [b"reply"]
+    assert answers.get(b"inquiry", "token", 6) is None  # something changed since
+    assert answers.get(b"inquiry", "other token", 5) is None
+    answers.put(b"inquiry", "token", 6, [b"new reply"], 9)  # replaces the older answer
+    assert answers.get(b"inquiry", "token", 6) == [b"new reply"]
+    assert answers._bytes == len(b"inquiry") + len("token") + 9
+    monkeypatch.setattr(servicer, "ANSWERS_REMEMBERED", 3)
+    for index in range(10):
+        answers.put(b"%d" % index, "", 1, [b"r"], 1)
+        assert len(answers._answers) <= 3
+    monkeypatch.setattr(servicer, "ANSWERS_BYTES", 50)
+    for index in range(10):
+        answers.put(b"%d" % index, "token", 1, [b"r" * 10], 10)
+        assert answers._bytes <= 50
+
+
+class _Context:
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+class _Directory:
+    """Answers every inquiry with `entries`, counting the inquiries it was asked."""
+
+    def __init__(self, entries: list[Entry], stamp: int | None) -> None:
+        self.entries = entries
+        self.stamp = stamp
+        self.inquiries = 0
+
+    def answer_stamp(self) -> int | None:
+        return self.stamp
+
+    async def inquire(self, inquiry: object, token: str) -> AsyncIterator[list[Entry]]:
+        self.inquiries += 1
+        yield self.entries
+
+
+async def _ports(inquirer: servicer.DirectoryServicer, request: bytes) -> list[int]:
+    return [port_of(reply) async for reply in inquirer.Inquire(request, _Context())]
+
+
+async def test_inquire_remembers_small_answers_while_their_stamp_holds() -> None:
+    request = directory_pb2.InquireRequest(service_id=7).SerializeToString()
+    directory = _Directory([entry(7, 9000)], stamp=1)
+    inquirer = servicer.DirectoryServicer(directory, None)  # type: ignore[arg-type]
+    assert await _ports(inquirer, request) == await _ports(inquirer, request) == [9000]
+    assert directory.inquiries == 1
+    directory.stamp, directory.entries = 2, [entry(7, 9001)]
+    assert await _ports(inquirer, request) == [9001]
+    assert directory.inquiries == 2
+    # Not a function of the index alone (e.g. load balanced): never remembered.
+    directory.stamp = None
+    await _ports(inquirer, request)
+    await _ports(inquirer, request)
+    assert directory.inquiries == 4
+
+
+async def test_inquire_answers_a_wide_answer_whole_without_remembering_it() -> None:
+    wide = [entry(service_id, 9000 + service_id) for service_id in range(1, 1000)]
+    request = directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=3)).SerializeToString()
+    directory = _Directory(wide, stamp=1)
+    inquirer = servicer.DirectoryServicer(directory, None)  # type: ignore[arg-type]
+    assert await _ports(inquirer, request) == [9000 + service_id for service_id in range(1, 1000)]
+    assert sum(len(servicer.EncodedReplies().of(e)) for e in wide) > servicer.REMEMBERED_ANSWER_BYTES
+    assert inquirer.answers._answers == {}
+    await _ports(inquirer, request)
+    assert directory.inquiries == 2
