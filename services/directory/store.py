@@ -9,10 +9,11 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import psycopg
 from sqlalchemy import (
     ColumnElement,
     Integer,
@@ -29,7 +30,6 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.sql.elements import TextClause
 
 from services.directory.model import (
     CHECK_LEASE_NS,
@@ -126,23 +126,51 @@ def _index_row(row: Sequence[Any]) -> IndexRow:
 
 
 @functools.cache
-def _insert_entries(service_columns: tuple[str, ...]) -> TextClause:
-    """PostgreSQL: a batch's new entries (rows of these columns) and their properties in one
-    statement, each set passed as one JSON parameter: an executemany costs the client a
-    statement's work per row."""
+def _insert_new_entries(service_columns: tuple[str, ...]) -> str:
+    """PostgreSQL: a batch's new (not permanent) entries, their properties and the change
+    notification in one statement, its own transaction: one round trip on the database's direct
+    connection, where a transaction took four through the event loop (BEGIN, the rows, the
+    notification, COMMIT). Each set of rows comes as one JSON parameter: an executemany costs the
+    client a statement's work per row. PostgreSQL delivers the notification when it commits."""
 
     def rows(table: str, columns: Sequence[str], parameter: str) -> str:
         names = ", ".join(columns)
         return (
             f"INSERT INTO {table} ({names}) SELECT {names} "
-            f"FROM jsonb_populate_recordset(NULL::{table}, CAST(:{parameter} AS jsonb))"
+            f"FROM jsonb_populate_recordset(NULL::{table}, %({parameter})s::jsonb)"
         )
 
     property_columns = [column.name for column in properties_table.columns]
-    return text(
-        f"WITH inserted AS ({rows(services.name, service_columns, 'services')}) "
-        f"{rows(properties_table.name, property_columns, 'properties')}"
+    return (
+        f"WITH inserted AS ({rows(services.name, service_columns, 'services')}), "
+        f"described AS ({rows(properties_table.name, property_columns, 'properties')}), "
+        # A CTE that is only read runs only if read: the final SELECT reads it.
+        "notified AS (SELECT count(pg_notify(%(channel)s, payload)) AS sent "
+        "FROM json_array_elements_text(%(payloads)s::json) AS payload) "
+        "SELECT sent FROM notified"
     )
+
+
+def _property_rows(service_id: int, registration: Registration) -> list[dict[str, Any]]:
+    return [
+        {"service_id": service_id, "pair_digest": pair_digest(name, value), "name": name, "value": value}
+        for name, value in registration.properties.items()
+    ]
+
+
+def _changed_entries(
+    batch: Sequence[_PendingAdd], results: Sequence[tuple[int, str, bool]]
+) -> tuple[list[str], list[str]]:
+    """The change-feed keys of what a batch wrote: those this replica's index reads back, and
+    those only the other replicas do (a new entry of an unchecked kind goes into this replica's
+    index as written: Directory.register)."""
+    read_back: list[int] = []
+    elsewhere: list[int] = []
+    for pending, (service_id, _, created) in zip(batch, results, strict=True):
+        registration = pending.registration
+        read_here = registration.permanent or registration.health_checked or not created
+        (read_back if read_here else elsewhere).append(service_id)
+    return entry_keys(read_back), entry_keys(elsewhere)
 
 
 def _service_row(registration: Registration, token_digest: str, now_ns: int) -> dict[str, Any]:
@@ -273,6 +301,18 @@ class _PendingAdd:
     result: asyncio.Future[tuple[int, str, bool]]
 
 
+# Writes a batch of registrations; their (service id, secret nonce, created), in order.
+_BatchWrite = Callable[[list[_PendingAdd]], Awaitable[list[tuple[int, str, bool]]]]
+
+
+async def _retried(write: _BatchWrite, pending: _PendingAdd) -> tuple[int, str, bool]:
+    while True:
+        try:
+            return (await write([pending]))[0]
+        except (IntegrityError, psycopg.IntegrityError):
+            continue
+
+
 def _entry(row: Sequence[Any]) -> Entry:
     """An entry from a row of _ENTRY_COLUMNS (by position: Database.fetch gives plain rows)."""
     (
@@ -380,86 +420,92 @@ class DirectoryStore:
     async def _write_pending_adds(self) -> None:
         while self._pending_adds:
             batch, self._pending_adds = self._pending_adds[:ADD_BATCH], self._pending_adds[ADD_BATCH:]
-            results: list[tuple[int, str, bool] | BaseException]
-            try:
-                results = list(await self._add_batch(batch))
-            except IntegrityError:
-                # A service id collision (one chance in 2^63 per entry): redo them one by one,
-                # each with fresh ids, so one collision does not fail the others.
-                results = []
-                for pending in batch:
-                    try:
-                        results.append(await self._retry_add(pending))
-                    except Exception as error:
-                        results.append(error)
-            except Exception as error:
-                results = [error for _ in batch]
-            for pending, result in zip(batch, results, strict=True):
-                if pending.result.done():
-                    continue
-                if isinstance(result, BaseException):
-                    pending.result.set_exception(result)
-                else:
-                    pending.result.set_result(result)
-
-    async def _retry_add(self, pending: _PendingAdd) -> tuple[int, str, bool]:
-        while True:
-            try:
-                return (await self._add_batch([pending]))[0]
-            except IntegrityError:
-                continue
-
-    async def _add_batch(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
-        upsert_permanent = self._upsert_permanent
-        postgresql = self.db.is_postgresql
-
-        def write(transaction: Transaction) -> list[tuple[int, str, bool]]:
-            results: list[tuple[int, str, bool]] = []
-            new_rows: list[dict[str, Any]] = []
-            new_properties: list[dict[str, Any]] = []
-            for pending in batch:
-                row = _service_row(pending.registration, pending.token_digest, pending.now_ns)
-                if pending.registration.permanent:
-                    # One at a time, in order: a later identical registration updates this one.
-                    stored_id, stored_nonce = transaction.execute(upsert_permanent, row).one()
-                else:
-                    new_rows.append(row)
-                    stored_id, stored_nonce = row["service_id"], row["secret_nonce"]
-                created = stored_id == row["service_id"]
-                if created:
-                    new_properties += [
-                        {
-                            "service_id": stored_id,
-                            "pair_digest": pair_digest(name, value),
-                            "name": name,
-                            "value": value,
-                        }
-                        for name, value in pending.registration.properties.items()
-                    ]
-                results.append((int(stored_id), str(stored_nonce), created))
-            if postgresql and new_rows:
-                transaction.execute(
-                    _insert_entries(tuple(new_rows[0])),
-                    {"services": json.dumps(new_rows), "properties": json.dumps(new_properties)},
-                )
+            if self.db.is_postgresql:
+                # New entries in one statement on the direct connection, permanent ones in a
+                # transaction on a pooled one, at the same time: they are independent.
+                new = [pending for pending in batch if not pending.registration.permanent]
+                permanent = [pending for pending in batch if pending.registration.permanent]
+                await asyncio.gather(self._write_batch(new, self._insert_new), self._write_batch(permanent))
             else:
-                if new_rows:
-                    transaction.execute(insert(services), new_rows)
-                if new_properties:
-                    transaction.execute(insert(properties_table), new_properties)
-            # A new entry of an unchecked kind goes into this replica's index as written
-            # (Directory.register): only the other replicas need to read it.
-            written = [
-                (pending.registration.permanent or pending.registration.health_checked or not created, sid)
-                for pending, (sid, _, created) in zip(batch, results, strict=True)
-            ]
-            transaction.changed(
-                entry_keys(sid for read_back, sid in written if read_back),
-                elsewhere=entry_keys(sid for read_back, sid in written if not read_back),
-            )
-            return results
+                await self._write_batch(batch)
 
-        return await self.db.write(write, self.feed)
+    async def _write_batch(self, batch: list[_PendingAdd], write: _BatchWrite | None = None) -> None:
+        """Write the batch (by default in one transaction: `_write_in_transaction`) and answer
+        each of its registrations: all of them written, or none."""
+        if not batch:
+            return
+        write = write or self._write_in_transaction
+        results: list[tuple[int, str, bool] | BaseException]
+        try:
+            results = list(await write(batch))
+        except (IntegrityError, psycopg.IntegrityError):
+            # A service id collision (one chance in 2^63 per entry): redo them one by one,
+            # each with fresh ids, so one collision does not fail the others.
+            results = []
+            for pending in batch:
+                try:
+                    results.append(await _retried(write, pending))
+                except Exception as error:
+                    results.append(error)
+        except Exception as error:
+            results = [error for _ in batch]
+        for pending, result in zip(batch, results, strict=True):
+            if pending.result.done():
+                continue
+            if isinstance(result, BaseException):
+                pending.result.set_exception(result)
+            else:
+                pending.result.set_result(result)
+
+    async def _write_in_transaction(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
+        return await self.db.write(lambda transaction: self._write_adds(transaction, batch), self.feed)
+
+    def _write_adds(self, transaction: Transaction, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
+        results: list[tuple[int, str, bool]] = []
+        new_rows: list[dict[str, Any]] = []
+        new_properties: list[dict[str, Any]] = []
+        for pending in batch:
+            row = _service_row(pending.registration, pending.token_digest, pending.now_ns)
+            if pending.registration.permanent:
+                # One at a time, in order: a later identical registration updates this one.
+                stored_id, stored_nonce = transaction.execute(self._upsert_permanent, row).one()
+            else:
+                new_rows.append(row)
+                stored_id, stored_nonce = row["service_id"], row["secret_nonce"]
+            created = stored_id == row["service_id"]
+            if created:
+                new_properties += _property_rows(stored_id, pending.registration)
+            results.append((int(stored_id), str(stored_nonce), created))
+        if new_rows:
+            transaction.execute(insert(services), new_rows)
+        if new_properties:
+            transaction.execute(insert(properties_table), new_properties)
+        read_back, elsewhere = _changed_entries(batch, results)
+        transaction.changed(read_back, elsewhere=elsewhere)
+        return results
+
+    async def _insert_new(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
+        """PostgreSQL: new entries (none permanent) in one statement."""
+        rows = [_service_row(pending.registration, pending.token_digest, pending.now_ns) for pending in batch]
+        properties = [
+            row for pending, entry in zip(batch, rows, strict=True)
+            for row in _property_rows(entry["service_id"], pending.registration)
+        ]  # fmt: skip
+        results = [(int(row["service_id"]), str(row["secret_nonce"]), True) for row in rows]
+        read_back, elsewhere = _changed_entries(batch, results)
+        feed = self.feed
+        await self.db.fetch_direct(
+            _insert_new_entries(tuple(rows[0])),
+            {
+                "services": json.dumps(rows),
+                "properties": json.dumps(properties),
+                "channel": feed.channel if feed is not None else "",
+                "payloads": json.dumps(feed.payloads([*read_back, *elsewhere]) if feed is not None else []),
+            },
+        )
+        if feed is not None:
+            feed.wake(read_back)
+        return results
 
     @functools.cached_property
     def _upsert_permanent(self) -> Any:
