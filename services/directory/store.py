@@ -57,7 +57,7 @@ SECRET_KEY_SETTING = "secret_key"
 # Token digests are keyed (HMAC) once this setting says so (see key_token_digests).
 TOKEN_DIGESTS_SETTING = "token_digests"
 KEYED_TOKEN_DIGESTS = "hmac-sha256"
-# Registrations written in one transaction at most (group commit).
+# Registrations written in one batch at most (group commit).
 ADD_BATCH = 256
 # Choosing the driving property of an inquiry: counts are capped (an exact count of a common
 # property costs a scan) and kept for a while, in a bounded cache.
@@ -305,12 +305,53 @@ class _PendingAdd:
 _BatchWrite = Callable[[list[_PendingAdd]], Awaitable[list[tuple[int, str, bool]]]]
 
 
-async def _retried(write: _BatchWrite, pending: _PendingAdd) -> tuple[int, str, bool]:
-    while True:
-        try:
-            return (await write([pending]))[0]
-        except (IntegrityError, psycopg.IntegrityError):
-            continue
+class _GroupCommit:
+    """Registrations written in batches: those that arrive while a batch is being written go in
+    the next one, up to ADD_BATCH; each registration is answered once its batch is written, or
+    fails with it (a batch is written whole or not at all)."""
+
+    def __init__(self, write: _BatchWrite) -> None:
+        self._write = write
+        self._pending: list[_PendingAdd] = []
+        self._writer: asyncio.Task[None] | None = None
+
+    async def add(self, pending: _PendingAdd) -> tuple[int, str, bool]:
+        self._pending.append(pending)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_pending())
+        return await pending.result
+
+    async def _write_pending(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:ADD_BATCH], self._pending[ADD_BATCH:]
+            results: list[tuple[int, str, bool] | BaseException]
+            try:
+                results = list(await self._write(batch))
+            except (IntegrityError, psycopg.IntegrityError):
+                # A service id collision (one chance in 2^63 per entry): redo them one by one,
+                # each with fresh ids, so one collision does not fail the others.
+                results = []
+                for pending in batch:
+                    try:
+                        results.append(await self._retried(pending))
+                    except Exception as error:
+                        results.append(error)
+            except Exception as error:
+                results = [error for _ in batch]
+            for pending, result in zip(batch, results, strict=True):
+                if pending.result.done():
+                    continue
+                if isinstance(result, BaseException):
+                    pending.result.set_exception(result)
+                else:
+                    pending.result.set_result(result)
+
+    async def _retried(self, pending: _PendingAdd) -> tuple[int, str, bool]:
+        while True:
+            try:
+                return (await self._write([pending]))[0]
+            except (IntegrityError, psycopg.IntegrityError):
+                continue
 
 
 def _entry(row: Sequence[Any]) -> Entry:
@@ -346,8 +387,12 @@ class DirectoryStore:
         """`feed`: told of every change to an entry (its key: `entry_keys`)."""
         self.db = database
         self.feed = feed
-        self._pending_adds: list[_PendingAdd] = []
-        self._add_writer: asyncio.Task[None] | None = None
+        self._new_adds = _GroupCommit(
+            self._insert_new if database.is_postgresql else self._write_in_transaction
+        )
+        self._permanent_adds = (
+            _GroupCommit(self._write_in_transaction) if database.is_postgresql else self._new_adds
+        )
         # Capped entry counts, with their monotonic expiry: per (name, value), and the last one
         # seen per name (the typical count of the name's values).
         self._pair_counts: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
@@ -408,54 +453,14 @@ class DirectoryStore:
         A permanent registration whose token, type and full property map match a permanent
         entry updates that entry's endpoint in place (same id and nonce) instead.
 
-        Registrations arriving while a transaction is being written are written together in the
-        next one (group commit): one transaction per burst rather than per registration.
+        Registrations arriving while a batch is being written are written together in the next
+        one (group commit: `_GroupCommit`). On PostgreSQL, new entries go in one statement each
+        batch (`_insert_new`), apart from permanent ones, whose upserts (a round trip each) they do
+        not wait for.
         """
         pending = _PendingAdd(registration, token_digest, now_ns, asyncio.get_running_loop().create_future())
-        self._pending_adds.append(pending)
-        if self._add_writer is None or self._add_writer.done():
-            self._add_writer = asyncio.create_task(self._write_pending_adds())
-        return await pending.result
-
-    async def _write_pending_adds(self) -> None:
-        while self._pending_adds:
-            batch, self._pending_adds = self._pending_adds[:ADD_BATCH], self._pending_adds[ADD_BATCH:]
-            if self.db.is_postgresql:
-                # New entries in one statement on the direct connection, permanent ones in a
-                # transaction on a pooled one, at the same time: they are independent.
-                new = [pending for pending in batch if not pending.registration.permanent]
-                permanent = [pending for pending in batch if pending.registration.permanent]
-                await asyncio.gather(self._write_batch(new, self._insert_new), self._write_batch(permanent))
-            else:
-                await self._write_batch(batch)
-
-    async def _write_batch(self, batch: list[_PendingAdd], write: _BatchWrite | None = None) -> None:
-        """Write the batch (by default in one transaction: `_write_in_transaction`) and answer
-        each of its registrations: all of them written, or none."""
-        if not batch:
-            return
-        write = write or self._write_in_transaction
-        results: list[tuple[int, str, bool] | BaseException]
-        try:
-            results = list(await write(batch))
-        except (IntegrityError, psycopg.IntegrityError):
-            # A service id collision (one chance in 2^63 per entry): redo them one by one,
-            # each with fresh ids, so one collision does not fail the others.
-            results = []
-            for pending in batch:
-                try:
-                    results.append(await _retried(write, pending))
-                except Exception as error:
-                    results.append(error)
-        except Exception as error:
-            results = [error for _ in batch]
-        for pending, result in zip(batch, results, strict=True):
-            if pending.result.done():
-                continue
-            if isinstance(result, BaseException):
-                pending.result.set_exception(result)
-            else:
-                pending.result.set_result(result)
+        adds = self._permanent_adds if registration.permanent else self._new_adds
+        return await adds.add(pending)
 
     async def _write_in_transaction(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
         return await self.db.write(lambda transaction: self._write_adds(transaction, batch), self.feed)
