@@ -27,12 +27,17 @@ Everything runs on 127.0.0.1, in one run:
    per-round ratios (the two sides ran back to back).
 
 4. The RL fan-out (`--fanout`, default 1, 8 and 32 actors; a `--fanout_size_mib` (50 MiB)
-   version): N actors, each on its own channel, follow the model with `VersionUpdate`; a learner
-   publishes a version (untimed) and each actor, told of it, downloads it: "cold" is the time from
-   the publication's reply until every actor has checked the whole version (the registry reads it
-   from S3 once, sending it as it arrives). "Warm" is the same N downloads again, from the
-   registry's memory. "Direct" is N threads reading the same bytes from S3 with minio at once.
-   Ratios are direct time / registry time (targets: one actor cold >= 0.8, eight cold >= 0.7).
+   version), with actors as RL runs have them: processes of their own (this script's `_actor`
+   mode), each with its own connections, checking what it receives on the fly. "Direct": N of them
+   read the same object from S3 with minio at once. Then N of them follow a model with
+   `VersionUpdate`; a learner (this process) publishes a version (untimed) and each actor, told of
+   it, downloads it: "cold" is the time from the publication's reply until every actor has checked
+   the whole version (the registry reads it from S3 once, sending it as it arrives). "Warm" is the
+   same N downloads again, from the registry's memory. Times are read on each actor's clock
+   (perf_counter, the host's monotonic clock). Ratios are direct time / registry time (targets:
+   one actor cold >= 0.8, eight cold >= 0.7). Until this session the actors were coroutines of
+   one process, which measured that process's single core rather than the registry once several
+   actors shared it.
 
 The registry's RSS is sampled from /proc/<pid>/status (VmRSS) by a thread every `--rss_interval_ms`
 during each phase: "RSS growth" is the phase's peak minus the value at its start (target < 100 MiB
@@ -55,13 +60,13 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import json
 import os
 import resource
 import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -71,7 +76,6 @@ if str(SCRIPT.parents[1]) not in sys.path:  # run as a script: `tests` and `benc
     sys.path.insert(0, str(SCRIPT.parents[1]))
 
 import grpc  # noqa: E402
-import urllib3  # noqa: E402
 from minio import Minio  # noqa: E402
 
 from bench.common import (  # noqa: E402
@@ -85,10 +89,12 @@ from bench.common import (  # noqa: E402
     cpu_seconds,
     direct_download,
     direct_upload,
+    emit,
     pinned_plan,
     run_benchmark,
     sha256_b64,
     start_server,
+    stdin_lines,
     vm_hwm,
     vm_rss,
 )
@@ -314,85 +320,153 @@ async def transfer_rounds(args: argparse.Namespace, s3: SeaweedS3, registry: Chi
         await channel.close()
 
 
-async def fanout_rounds(
-    args: argparse.Namespace, s3: SeaweedS3, registry: Child, sampler: RssSampler
+class Actors:
+    """`count` actor processes (`_actor` mode of this script), as the actors of an RL run are
+    processes of their own: the same ones fetch from S3 directly and through the registry."""
+
+    def __init__(self, count: int, config: dict[str, Any], workdir: Path) -> None:
+        self.children = [
+            Child(
+                f"actor-{index}",
+                [sys.executable, str(SCRIPT), "_actor", json.dumps(config)],
+                messages_on="stdout",
+                cpus=None,
+                log_path=workdir / f"actor-{index}.log",
+            )
+            for index in range(count)
+        ]
+        for child in self.children:
+            child.expect("ready", START_TIMEOUT_S)
+
+    def run(self, actors: int, command: dict[str, Any], began: float | None = None) -> float:
+        """Have the first `actors` do `command`; seconds from `began` (default: now) until the
+        last of them had all of it (by their own clocks: perf_counter is the host's)."""
+        chosen = self.children[:actors]
+        began = time.perf_counter() if began is None else began
+        for child in chosen:
+            child.send(command)
+        finished = [child.expect("done", RPC_TIMEOUT_S) for child in chosen]
+        for child, message in zip(chosen, finished, strict=True):
+            if message.get("error"):
+                raise BenchError(f"{child.name}: {message['error']}", child)
+        return float(max(message["done"] for message in finished)) - began
+
+    def follow(self, actors: int, model_id: str) -> None:
+        for child in self.children[:actors]:
+            child.send({"do": "follow", "model_id": model_id})
+        for child in self.children[:actors]:
+            child.expect("following", RPC_TIMEOUT_S)
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop(exit_wait_s=2.0)
+
+
+def fanout_rounds(
+    args: argparse.Namespace, s3: SeaweedS3, registry: Child, sampler: RssSampler, workdir: Path
 ) -> list[dict[str, Any]]:
     """The RL fan-out, for each N of `--fanout`: direct, cold and warm (see the module's docstring)."""
     size = args.fanout_size_mib * MiB
-    read_chunk = args.read_chunk_kib * 1024
     block = os.urandom(BLOCK_SIZE)
     sha256 = sha256_b64(block, size)
+    config = {
+        "registry": registry.address,
+        "s3": [s3.endpoint, s3.access_key, s3.secret_key],
+        "chunk": args.read_chunk_kib * 1024,
+        "size": size,
+        "sha256": sha256,
+    }
+    client = Minio(s3.endpoint, s3.access_key, s3.secret_key, secure=False)
+    if not client.bucket_exists(BUCKET_DIRECT):
+        client.make_bucket(BUCKET_DIRECT)
+    actors = Actors(max(args.fanout), config, workdir)
+    # The learner, in this process: its channel lives on this loop, run between the actors' steps.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    channel = grpc.aio.insecure_channel(registry.address)
+    learner = model_registry_pb2_grpc.ModelRegistrySPStub(channel)
     results = []
-    for actors in args.fanout:
-        client = Minio(
-            s3.endpoint, s3.access_key, s3.secret_key, secure=False,
-            http_client=urllib3.PoolManager(maxsize=actors, retries=False),
-        )  # fmt: skip
-        if not await asyncio.to_thread(client.bucket_exists, BUCKET_DIRECT):
-            await asyncio.to_thread(client.make_bucket, BUCKET_DIRECT)
-        name = f"fanout-{actors}"
-        await asyncio.to_thread(direct_upload, client, BUCKET_DIRECT, name, block, size, args.part_mib * MiB)
-        checkers = [Checker() for _ in range(actors)]
-        with ThreadPoolExecutor(actors) as pool:
-            loop = asyncio.get_running_loop()
-            began = time.perf_counter()
-            await asyncio.gather(
-                *(
-                    loop.run_in_executor(
-                        pool, direct_download, client, BUCKET_DIRECT, name, read_chunk, c.update
-                    )
-                    for c in checkers
-                )
-            )
-            direct_s = time.perf_counter() - began
-        for checker in checkers:
-            checker.check("direct fan-out", size, sha256)
-        await asyncio.to_thread(client.remove_object, BUCKET_DIRECT, name)
+    try:
+        for count in args.fanout:
+            name = model_id = f"fanout-{count}"
+            direct_upload(client, BUCKET_DIRECT, name, block, size, args.part_mib * MiB)
+            direct_s = actors.run(count, {"do": "direct", "bucket": BUCKET_DIRECT, "name": name})
+            client.remove_object(BUCKET_DIRECT, name)
 
-        options = [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
-        channels = [grpc.aio.insecure_channel(registry.address, options=options) for _ in range(actors)]
-        try:
-            stubs = [model_registry_pb2_grpc.ModelRegistrySPStub(channel) for channel in channels]
-            learner = stubs[0]
-            model_id = f"fanout-{actors}"
-            await create_model(learner, model_id)
-            updates = [stub.VersionUpdate(mr.VersionUpdateRequest(model_id=model_id)) for stub in stubs]
-            await asyncio.sleep(0.5)  # every actor follows the model
-
-            async def actor(stub: model_registry_pb2_grpc.ModelRegistrySPStub, update: Any) -> Checker:
-                reply = await update.read()
-                info = reply.version_info
-                return await registry_download(stub, info.model_id, info.version_number)
-
+            loop.run_until_complete(create_model(learner, model_id))
+            actors.follow(count, model_id)
+            time.sleep(0.5)  # every actor's VersionUpdate stream is open on the registry
             start_rss = sampler.reset()
-            await registry_upload(learner, model_id, block, size, sha256, args.chunk_kib * 1024)
-            began = time.perf_counter()
-            for checker in await asyncio.gather(*(actor(s, u) for s, u in zip(stubs, updates, strict=True))):
-                checker.check("registry fan-out (cold)", size, sha256)
-            cold_s = time.perf_counter() - began
-            began = time.perf_counter()
-            for checker in await asyncio.gather(*(registry_download(stub, model_id, 1) for stub in stubs)):
-                checker.check("registry fan-out (warm)", size, sha256)
-            warm_s = time.perf_counter() - began
+            loop.run_until_complete(
+                registry_upload(learner, model_id, block, size, sha256, args.chunk_kib * 1024)
+            )
+            cold_s = actors.run(count, {"do": "fetch_announced"}, began=time.perf_counter())
+            warm_s = actors.run(count, {"do": "download", "model_id": model_id, "version": 1})
             growth = (sampler.peak_now() - start_rss) / MiB
-            for update in updates:
-                update.cancel()
-            await delete_model(learner, model_id)
-        finally:
-            for channel in channels:
-                await channel.close()
-        result = {
-            "actors": actors,
-            "direct_s": round(direct_s, 3),
-            "cold_s": round(cold_s, 3),
-            "warm_s": round(warm_s, 3),
-            "cold_ratio": round(direct_s / cold_s, 3),
-            "warm_ratio": round(direct_s / warm_s, 3),
-            "registry_rss_growth_mib": round(growth, 1),
-        }
-        print(f"  fan-out {result}", file=sys.stderr)
-        results.append(result)
+            loop.run_until_complete(delete_model(learner, model_id))
+            result = {
+                "actors": count,
+                "direct_s": round(direct_s, 3),
+                "cold_s": round(cold_s, 3),
+                "warm_s": round(warm_s, 3),
+                "cold_ratio": round(direct_s / cold_s, 3),
+                "warm_ratio": round(direct_s / warm_s, 3),
+                "registry_rss_growth_mib": round(growth, 1),
+            }
+            print(f"  fan-out {result}", file=sys.stderr)
+            results.append(result)
+    finally:
+        loop.run_until_complete(channel.close())
+        asyncio.set_event_loop(None)
+        loop.close()
+        actors.stop()
     return results
+
+
+async def actor_main(config: dict[str, Any]) -> int:
+    """`_actor CONFIG`: one actor of the fan-out. Told on stdin what to fetch (`direct` from S3,
+    `follow` a model then `fetch_announced` the version VersionUpdate announces, or `download` a
+    version), it reads it whole, checking its size and SHA-256, and answers on stdout with the
+    time it had all of it."""
+    loop = asyncio.get_running_loop()
+    lines = stdin_lines(loop)
+    endpoint, access_key, secret_key = config["s3"]
+    client = Minio(endpoint, access_key, secret_key, secure=False)
+    options = [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+    channel = grpc.aio.insecure_channel(config["registry"], options=options)
+    stub = model_registry_pb2_grpc.ModelRegistrySPStub(channel)
+    update: Any = None
+    emit({"ready": True})
+    while line := await lines.get():
+        command = json.loads(line)
+        if command["do"] == "follow":
+            update = stub.VersionUpdate(mr.VersionUpdateRequest(model_id=command["model_id"]))
+            emit({"following": True})
+            continue
+        checker = Checker()
+        try:
+            if command["do"] == "direct":
+                await asyncio.to_thread(
+                    direct_download,
+                    client,
+                    command["bucket"],
+                    command["name"],
+                    config["chunk"],
+                    checker.update,
+                )
+            elif command["do"] == "fetch_announced":
+                info = (await update.read()).version_info
+                checker = await registry_download(stub, info.model_id, info.version_number)
+                update.cancel()
+            else:
+                checker = await registry_download(stub, command["model_id"], command["version"])
+            done = time.perf_counter()
+            checker.check(command["do"], config["size"], config["sha256"])
+            emit({"done": done})
+        except Exception as error:
+            emit({"done": time.perf_counter(), "error": f"{type(error).__name__}: {error}"})
+    await channel.close()
+    return 0
 
 
 def summarize(args: argparse.Namespace, procs: Processes, report: dict[str, Any]) -> None:
@@ -473,7 +547,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             asyncio.run(transfer_rounds(args, s3, registry, procs))
             if args.fanout:
                 print("fan-out...", file=sys.stderr)
-                report["fanout"] = asyncio.run(fanout_rounds(args, s3, registry, sampler))
+                report["fanout"] = fanout_rounds(args, s3, registry, sampler, workdir)
             hwm = vm_hwm(registry.process.pid)
             report["registry_vm_hwm_mib"] = round(hwm / MiB, 1) if hwm is not None else None
             report["registry_rss_end_mib"] = round((vm_rss(registry.process.pid) or 0) / MiB, 1)
@@ -620,6 +694,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_actor"]:
+        return asyncio.run(actor_main(json.loads(argv[1])))
     return run_benchmark(parse_args(argv), "model-registry", run, print_summary)
 
 
