@@ -42,6 +42,8 @@ def add_servicer(
     """
     overrides = response_serializers or {}
     raw = set(raw_requests)
+    single = {method.name for method in service.methods if not method.client_streaming}
+    assert raw <= single, f"raw requests are for methods of one request: {sorted(raw - single)}"
     handlers = {}
     for method in service.methods:
         factory = HANDLER_FACTORY[(method.client_streaming, method.server_streaming)]

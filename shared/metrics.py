@@ -15,20 +15,24 @@ from collections.abc import Iterator
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 RPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 HANDLING_SECONDS_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
 )  # fmt: skip
 # Their `le` labels, as prometheus_client writes them ("0.0005", "1.0", "+Inf").
-_BUCKET_LABELS = [*(repr(float(bound)) for bound in HANDLING_SECONDS_BUCKETS), "+Inf"]
+_BUCKET_LABELS: list[str] = [
+    floatToGoString(bound)  # type: ignore[no-untyped-call]
+    for bound in (*HANDLING_SECONDS_BUCKETS, float("inf"))
+]
 
 
 class RpcStats:
     """The calls of one method: started, handled by status code, and their handling times.
 
-    Updated by the event loop that serves the method (a server's calls all run on its loop, so
-    there is one writer), read by the scraping thread: plain `+=` without a lock.
+    Updated by the event loop that serves the method (a process's servers run on its one loop,
+    so there is one writer), read by the scraping thread: plain `+=` without a lock.
     """
 
     __slots__ = ("bucket_counts", "handled", "labels", "seconds_sum", "started")

@@ -193,7 +193,7 @@ class Directory:
         """What the answers to inquiries depend on, as a number that changes when they may: an
         answer `inquire` found holds for as long as this is unchanged. None while answers are not
         a function of the index alone (answered from the database, load balanced, or rechecked).
-        An empty answer may wait for a registration (registration lag): it never holds."""
+        Stamps only grow."""
         if self._index is None or not self._index.current or self.load_balancing or self.check_on_inquire:
             return None
         return self._index.index.generation

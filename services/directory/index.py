@@ -71,11 +71,18 @@ class EntryIndex:
         return service_id in self._entries
 
     def put(self, row: IndexRow) -> None:
-        self.discard(row.entry.service_id)
-        self.generation = next(_GENERATIONS)
         service_id = row.entry.service_id
         token_digest = sys.intern(row.token_digest)  # a few tokens, one copy each
-        self._entries[service_id] = _Indexed(row.entry, token_digest, row.visible)
+        indexed = _Indexed(row.entry, token_digest, row.visible)
+        earlier = self._entries.get(service_id)
+        if earlier is not None and _answered_alike(earlier, indexed):
+            # A health-check result that changes nothing an answer holds (its load and check
+            # times are used only when answers are not remembered): same place, same generation.
+            self._entries[service_id] = indexed
+            return
+        self.discard(service_id)
+        self.generation = next(_GENERATIONS)
+        self._entries[service_id] = indexed
         self._by_token.setdefault(token_digest, set()).add(service_id)
         self._by_token_type.setdefault((token_digest, row.entry.service_type), set()).add(service_id)
         for pair in row.entry.properties.items():
@@ -129,6 +136,21 @@ class EntryIndex:
                 found.append(entry)
         found.sort(key=lambda entry: (entry.registered_at, entry.service_id), reverse=True)
         return found
+
+
+def _answered_alike(one: _Indexed, other: _Indexed) -> bool:
+    """Whether an inquiry's answer (which entries, in which order, and their replies) is the
+    same with either record of an entry."""
+    a, b = one.entry, other.entry
+    return (
+        one.visible == other.visible
+        and one.token_digest == other.token_digest
+        and a.endpoint == b.endpoint
+        and a.service_type == b.service_type
+        and a.properties == b.properties
+        and a.permanent == b.permanent
+        and a.registered_at == b.registered_at
+    )
 
 
 K = TypeVar("K")

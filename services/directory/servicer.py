@@ -37,11 +37,16 @@ MAX_PORT = 65535
 REPLIES_REMEMBERED = 65_536
 REPLIES_BYTES = 16 * 1024 * 1024
 REMEMBERED_REPLY_BYTES = 4096
-# Whole answers remembered (EncodedAnswers): how many, their bytes in all (requests and tokens
-# included), the largest.
+# Whole answers remembered (EncodedAnswers): how many, their bytes in all (requests, tokens and
+# bookkeeping included), the largest request and token, the largest replies; the bookkeeping
+# counted per answer (dict slot, key and value tuples, list) and per reply (list slot, bytes
+# header).
 ANSWERS_REMEMBERED = 16_384
 ANSWERS_BYTES = 16 * 1024 * 1024
+REMEMBERED_REQUEST_BYTES = 4096
 REMEMBERED_ANSWER_BYTES = 16 * 1024
+ANSWER_OVERHEAD_BYTES = 400
+REPLY_OVERHEAD_BYTES = 48
 
 log = get_logger("directory.grpc")
 
@@ -137,35 +142,48 @@ def add_directory_servicer(server: grpc.aio.Server, directory: Directory, runtim
 
 class EncodedAnswers:
     """The encoded replies of recent answers, by the inquiry's request bytes and metadata token,
-    each with the directory's answer stamp when it was found (`Directory.answer_stamp`): valid while
-    the stamp is the same. Orchestrators and SDKs ask the same inquiries again and again; such an
-    inquiry is then neither parsed nor looked up. Bounded: ANSWERS_REMEMBERED answers and
-    ANSWERS_BYTES at most (all are forgotten past either), none over REMEMBERED_ANSWER_BYTES."""
+    all found at one answer stamp (`Directory.answer_stamp`): they hold while it does, and are
+    forgotten as soon as a newer stamp is seen. Orchestrators and SDKs ask the same inquiries
+    again and again; such an inquiry is then neither parsed nor looked up. Bounded: ANSWERS_REMEMBERED
+    answers and ANSWERS_BYTES at most, bookkeeping included (all are forgotten past either), none
+    of a request and token over REMEMBERED_REQUEST_BYTES or of replies over REMEMBERED_ANSWER_BYTES."""
 
     def __init__(self) -> None:
-        self._answers: dict[tuple[bytes, str], tuple[int, list[bytes]]] = {}
+        self._answers: dict[tuple[bytes, str], tuple[list[bytes], int]] = {}
+        self._stamp = 0
         self._bytes = 0
 
+    @staticmethod
+    def accepts(request: bytes, token: str) -> bool:
+        return len(request) + len(token) <= REMEMBERED_REQUEST_BYTES
+
     def get(self, request: bytes, token: str, stamp: int) -> list[bytes] | None:
+        if stamp != self._stamp:
+            return None
         remembered = self._answers.get((request, token))
-        return remembered[1] if remembered is not None and remembered[0] == stamp else None
+        return remembered[0] if remembered is not None else None
 
     def put(self, request: bytes, token: str, stamp: int, replies: list[bytes], size: int) -> None:
-        """`size`: the replies' bytes, at most REMEMBERED_ANSWER_BYTES."""
+        """`size`: the replies' bytes, at most REMEMBERED_ANSWER_BYTES; the request and token
+        are `accepts`ed. An answer found at an older stamp than the one seen last is dropped."""
+        if stamp < self._stamp:
+            return
+        if stamp > self._stamp:
+            self._forget(stamp)
         key = (request, token)
-        size += len(request) + len(token)
+        size += len(request) + len(token) + ANSWER_OVERHEAD_BYTES + REPLY_OVERHEAD_BYTES * len(replies)
         earlier = self._answers.pop(key, None)
         if earlier is not None:
-            self._bytes -= _answer_bytes(key, earlier[1])
+            self._bytes -= earlier[1]
         if len(self._answers) >= ANSWERS_REMEMBERED or self._bytes + size > ANSWERS_BYTES:
-            self._answers.clear()
-            self._bytes = 0
-        self._answers[key] = (stamp, replies)
+            self._forget(stamp)
+        self._answers[key] = (replies, size)
         self._bytes += size
 
-
-def _answer_bytes(key: tuple[bytes, str], replies: list[bytes]) -> int:
-    return len(key[0]) + len(key[1]) + sum(len(reply) for reply in replies)
+    def _forget(self, stamp: int) -> None:
+        self._answers.clear()
+        self._bytes = 0
+        self._stamp = stamp
 
 
 class EncodedReplies:
@@ -243,6 +261,8 @@ class DirectoryServicer(VersionStatusMixin):
         each match's (`EncodedReplies`)."""
         metadata_token = authentication_token(context)
         stamp = self.directory.answer_stamp()
+        if stamp is not None and not self.answers.accepts(request, metadata_token):
+            stamp = None
         if stamp is not None:
             answer = self.answers.get(request, metadata_token, stamp)
             if answer is not None:
@@ -265,5 +285,12 @@ class DirectoryServicer(VersionStatusMixin):
                     if sent is not None:
                         sent.append(reply)
                 yield reply
-        if sent and stamp is not None:
+        # Not an empty answer that a registration lag would have waited on; and found at the stamp
+        # it is stored with, nothing having changed while it was sent.
+        if (
+            sent is not None
+            and (sent or not self.directory.registration_lag_s)
+            and stamp == self.directory.answer_stamp()
+        ):
+            assert stamp is not None  # `sent` is a list only then
             self.answers.put(request, metadata_token, stamp, sent, sent_bytes)

@@ -59,6 +59,8 @@ TOKEN_DIGESTS_SETTING = "token_digests"
 KEYED_TOKEN_DIGESTS = "hmac-sha256"
 # Registrations written in one batch at most (group commit).
 ADD_BATCH = 256
+# A registration whose new id collided is tried again with fresh ids this many times at most.
+ID_COLLISION_RETRIES = 3
 # Choosing the driving property of an inquiry: counts are capped (an exact count of a common
 # property costs a scan) and kept for a while, in a bounded cache.
 PROPERTY_COUNT_CAP = 100
@@ -144,7 +146,7 @@ def _insert_new_entries(service_columns: tuple[str, ...]) -> str:
     return (
         f"WITH inserted AS ({rows(services.name, service_columns, 'services')}), "
         f"described AS ({rows(properties_table.name, property_columns, 'properties')}), "
-        # A CTE that is only read runs only if read: the final SELECT reads it.
+        # The INSERT CTEs always run; a SELECT CTE only if the main query reads it, as it does.
         "notified AS (SELECT count(pg_notify(%(channel)s, payload)) AS sent "
         "FROM json_array_elements_text(%(payloads)s::json) AS payload) "
         "SELECT sent FROM notified"
@@ -308,7 +310,8 @@ _BatchWrite = Callable[[list[_PendingAdd]], Awaitable[list[tuple[int, str, bool]
 class _GroupCommit:
     """Registrations written in batches: those that arrive while a batch is being written go in
     the next one, up to ADD_BATCH; each registration is answered once its batch is written, or
-    fails with it (a batch is written whole or not at all)."""
+    fails with it (a batch is written whole or not at all; after an id collision, its
+    registrations are written one by one)."""
 
     def __init__(self, write: _BatchWrite) -> None:
         self._write = write
@@ -347,11 +350,13 @@ class _GroupCommit:
                     pending.result.set_result(result)
 
     async def _retried(self, pending: _PendingAdd) -> tuple[int, str, bool]:
-        while True:
+        # Fresh ids each time; an integrity error that comes back is not a collision: it fails.
+        for _ in range(ID_COLLISION_RETRIES):
             try:
                 return (await self._write([pending]))[0]
             except (IntegrityError, psycopg.IntegrityError):
                 continue
+        return (await self._write([pending]))[0]
 
 
 def _entry(row: Sequence[Any]) -> Entry:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import tracemalloc
@@ -149,3 +150,26 @@ def test_an_entry_costs_the_index_about_two_kilobytes() -> None:
         tracemalloc.stop()
     assert len(index) == count
     assert per_entry < 2_500, per_entry
+
+
+def test_the_generation_changes_with_what_an_answer_shows_only() -> None:
+    index = EntryIndex()
+    entry = Entry(7, Endpoint(GRPC, "127.0.0.1", 9000), 3, {"a": "x"}, permanent=False, registered_at=1)
+    index.put(IndexRow(entry, "token", visible=True))
+    generation = index.generation
+    # A health-check result that changes nothing an answer shows: the new record, same generation.
+    checked = dataclasses.replace(entry, load=42, last_check_at=5)
+    index.put(IndexRow(checked, "token", visible=True))
+    assert index.generation == generation
+    assert index.matches(Inquiry(service_id=7), "token")[0] is checked
+    for changed in (
+        IndexRow(checked, "token", visible=False),
+        IndexRow(dataclasses.replace(checked, endpoint=Endpoint(GRPC, "127.0.0.1", 9001)), "token", True),
+        IndexRow(dataclasses.replace(checked, properties={"a": "y"}), "token", True),
+        IndexRow(checked, "other token", True),
+    ):
+        index.put(changed)
+        assert index.generation > generation
+        generation = index.generation
+    index.discard(7)
+    assert index.generation > generation

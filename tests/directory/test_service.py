@@ -11,6 +11,7 @@ import grpc
 import pytest
 from sqlalchemy import select
 
+from services.directory import store
 from services.directory.model import Endpoint, Registration
 from services.directory.store import PROPERTY_COUNT_CAP, DirectoryStore
 from shared import schema
@@ -533,3 +534,16 @@ async def test_a_dead_service_is_hidden_in_time_whatever_else_is_registered(
     finally:
         await live.stop()
         await silent.stop()
+
+
+async def test_a_colliding_id_is_drawn_again(
+    directory: RunningDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New ids are random: one that is taken (one chance in 2^63) is drawn again, for new and
+    permanent entries alike, on both databases' write paths."""
+    draws = iter([41, 41, 42, 41, 43])
+    monkeypatch.setattr(store.secrets, "randbelow", lambda _bound: next(draws))
+    (first,) = await register_ok(directory, request(ACTOR, {"c": "1"}))
+    (second,) = await register_ok(directory, request(ACTOR, {"c": "2"}))
+    (third,) = await register_ok(directory, request(ACTOR, {"c": "3"}, protocol=GRPC, port=1, permanent=True))
+    assert (first, second, third) == (42, 43, 44)

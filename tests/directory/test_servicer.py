@@ -57,7 +57,7 @@ def test_what_is_remembered_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert replies._replies[30][0]() is None
 
 
-def test_an_answer_holds_while_its_stamp_does_and_what_is_remembered_is_bounded(
+def test_answers_hold_while_their_stamp_does_and_what_is_remembered_is_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     answers = servicer.EncodedAnswers()
@@ -65,17 +65,23 @@ def test_an_answer_holds_while_its_stamp_does_and_what_is_remembered_is_bounded(
     assert answers.get(b"inquiry", "token", 5) == [b"reply"]
     assert answers.get(b"inquiry", "token", 6) is None  # something changed since
     assert answers.get(b"inquiry", "other token", 5) is None
-    answers.put(b"inquiry", "token", 6, [b"new reply"], 9)  # replaces the older answer
-    assert answers.get(b"inquiry", "token", 6) == [b"new reply"]
-    assert answers._bytes == len(b"inquiry") + len("token") + 9
+    answers.put(b"other", "token", 6, [b"new reply"], 9)  # a newer stamp: the older answers go
+    assert answers.get(b"inquiry", "token", 5) is None
+    assert answers.get(b"other", "token", 6) == [b"new reply"]
+    answers.put(b"late", "token", 5, [b"late reply"], 10)  # found before the change: dropped
+    assert answers.get(b"late", "token", 5) is None and answers.get(b"late", "token", 6) is None
+    overhead = servicer.ANSWER_OVERHEAD_BYTES + servicer.REPLY_OVERHEAD_BYTES
+    assert answers._bytes == len(b"other") + len("token") + 9 + overhead
+    assert answers.accepts(b"x" * 4000, "t" * 96)
+    assert not answers.accepts(b"x" * 4000, "t" * 97)  # over REMEMBERED_REQUEST_BYTES
     monkeypatch.setattr(servicer, "ANSWERS_REMEMBERED", 3)
     for index in range(10):
-        answers.put(b"%d" % index, "", 1, [b"r"], 1)
+        answers.put(b"%d" % index, "", 6, [b"r"], 1)
         assert len(answers._answers) <= 3
-    monkeypatch.setattr(servicer, "ANSWERS_BYTES", 50)
+    monkeypatch.setattr(servicer, "ANSWERS_BYTES", 2000)
     for index in range(10):
-        answers.put(b"%d" % index, "token", 1, [b"r" * 10], 10)
-        assert answers._bytes <= 50
+        answers.put(b"%d" % index, "token", 6, [b"r" * 10], 10)
+        assert answers._bytes <= 2000
 
 
 class _Context:
