@@ -281,8 +281,9 @@ class DirectoryServicer(VersionStatusMixin):
                 reply = replies.of(entry)
                 if sent is not None:
                     sent_bytes += len(reply)
-                    sent = sent if sent_bytes <= REMEMBERED_ANSWER_BYTES else None
-                    if sent is not None:
+                    if sent_bytes > REMEMBERED_ANSWER_BYTES:
+                        sent = None
+                    else:
                         sent.append(reply)
                 yield reply
         # Not an empty answer that a registration lag would have waited on; and found at the stamp
