@@ -35,7 +35,7 @@ Everything runs on 127.0.0.1, in one run:
    the whole version (the registry reads it from S3 once, sending it as it arrives). "Warm" is the
    same N downloads again, from the registry's memory. Times are read on each actor's clock
    (perf_counter, the host's monotonic clock). Ratios are direct time / registry time (targets:
-   one actor cold >= 0.8, eight cold >= 0.7). Until this session the actors were coroutines of
+   one actor cold >= 0.8, eight cold >= 0.7). Earlier versions ran the actors as coroutines of
    one process, which measured that process's single core rather than the registry once several
    actors shared it.
 
