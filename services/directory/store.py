@@ -504,15 +504,24 @@ class DirectoryStore:
         results = [(int(row["service_id"]), str(row["secret_nonce"]), True) for row in rows]
         read_back, elsewhere = _changed_entries(batch, results)
         feed = self.feed
-        await self.db.fetch_direct(
-            _insert_new_entries(tuple(rows[0])),
-            {
-                "services": json.dumps(rows),
-                "properties": json.dumps(properties),
-                "channel": feed.channel if feed is not None else "",
-                "payloads": json.dumps(feed.payloads([*read_back, *elsewhere]) if feed is not None else []),
-            },
-        )
+        payloads = feed.payloads([*read_back, *elsewhere]) if feed is not None else []
+        try:
+            await self.db.fetch_direct(
+                _insert_new_entries(tuple(rows[0])),
+                {
+                    "services": json.dumps(rows),
+                    "properties": json.dumps(properties),
+                    "channel": feed.channel if feed is not None else "",
+                    "payloads": json.dumps(payloads),
+                },
+            )
+        except Exception:
+            # The statement may have committed before its answer was lost (the connection broke):
+            # the other replicas then serve its entries, so this one reads them back too (the ids
+            # of entries that are not there read as nothing).
+            if feed is not None:
+                feed.wake([*read_back, *elsewhere])
+            raise
         if feed is not None:
             feed.wake(read_back)
         return results

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
+import grpc
 import psycopg
 import pytest
 from sqlalchemy import text
@@ -174,3 +176,30 @@ async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: 
         while await analyzed_rows() < 300:
             assert time.monotonic() < deadline, "statistics were not refreshed"
             await asyncio.sleep(0.5)
+
+
+async def test_a_registration_committed_before_its_answer_was_lost_is_served_here_too(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: new entries are written by one statement; when its answer is lost after the
+    commit (the connection broke), the client is told UNAVAILABLE, and the entry, which every
+    other replica serves, is served by this one too rather than after its next reload."""
+    async with make_directory_factory(postgres_url)() as directory:
+        database = directory.service.database
+        written = database.fetch_direct
+
+        async def lost_after_commit(sql: str, parameters: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+            await written(sql, parameters)
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+        monkeypatch.setattr(database, "fetch_direct", lost_after_commit)
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            await register(directory, request(properties={"answer": "lost"}))
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        monkeypatch.setattr(database, "fetch_direct", written)
+
+        deadline = time.monotonic() + PROPAGATION_LIMIT_S
+        while len(await visible_ids(directory, properties={"answer": "lost"})) != 1:
+            assert time.monotonic() < deadline, "the entry is not served by the replica that wrote it"
+            await asyncio.sleep(0.01)
+        assert directory.service.index.current  # answered from memory, not from the database
