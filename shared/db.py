@@ -432,24 +432,29 @@ class Database:
 
         The keys `work` marks as changed (`Transaction.changed`) are notified to `feed` inside
         the transaction (other replicas hear of it only if it commits), and this process's
-        watchers are woken once it has committed. On SQLite the whole transaction runs in one hop
-        to the writer thread; on PostgreSQL it runs through the async driver.
+        watchers are woken once it has committed, or once its COMMIT failed: a COMMIT whose
+        answer was lost with the connection may have committed all the same, and other replicas
+        then hear of it, so this one looks again too. On SQLite the whole transaction runs in one
+        hop to the writer thread; on PostgreSQL it runs through the async driver.
         """
+        # The keys of a transaction that reached its COMMIT.
+        committing: list[str] = []
 
-        def run(connection: Connection) -> tuple[T, list[str]]:
+        def run(connection: Connection) -> T:
             transaction = Transaction(connection, feed)
             with connection.begin():
                 result = work(transaction)
-            return result, transaction.changed_keys
+                committing.extend(transaction.changed_keys)
+            return result
 
-        if self._sqlite_writer is not None:
-            result, changed = await self._sqlite_writer.submit(run)
-        else:
+        try:
+            if self._sqlite_writer is not None:
+                return await self._sqlite_writer.submit(run)
             async with self.engine.connect() as connection:
-                result, changed = await connection.run_sync(run)
-        if changed and feed is not None:
-            feed.wake(changed)
-        return result
+                return await connection.run_sync(run)
+        finally:
+            if committing and feed is not None:
+                feed.wake(committing)
 
     async def foreign_commits(self) -> int:
         """SQLite: a number that changes whenever another process commits to the file.

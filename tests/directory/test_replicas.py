@@ -203,3 +203,31 @@ async def test_a_registration_committed_before_its_answer_was_lost_is_served_her
             assert time.monotonic() < deadline, "the entry is not served by the replica that wrote it"
             await asyncio.sleep(0.01)
         assert directory.service.index.current  # answered from memory, not from the database
+
+
+async def test_a_permanent_registration_whose_commit_answer_was_lost_is_served_here_too(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: permanent entries are written in a transaction; when its COMMIT succeeds but
+    its answer is lost (the connection broke), the client is told UNAVAILABLE, and the entry,
+    which every other replica serves, is served by this one too rather than after its next
+    reload (`Database.write` wakes this process's watchers of a transaction whose COMMIT failed)."""
+    async with make_directory_factory(postgres_url)() as directory:
+        dialect = directory.service.database.engine.sync_engine.dialect
+        commit = dialect.do_commit
+
+        def lost_after_commit(dbapi_connection: Any) -> None:
+            commit(dbapi_connection)
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+        monkeypatch.setattr(dialect, "do_commit", lost_after_commit)
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            await register(directory, request(properties={"answer": "lost"}, permanent=True))
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        monkeypatch.setattr(dialect, "do_commit", commit)
+
+        deadline = time.monotonic() + PROPAGATION_LIMIT_S
+        while len(await visible_ids(directory, properties={"answer": "lost"})) != 1:
+            assert time.monotonic() < deadline, "the entry is not served by the replica that wrote it"
+            await asyncio.sleep(0.01)
+        assert directory.service.index.current  # answered from memory, not from the database
