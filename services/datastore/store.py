@@ -81,8 +81,6 @@ _READ_SAMPLES = (
     .limit(bindparam("limit", type_=Integer))
 )
 _LAST_SEQ = select(func.max(trials.c.trial_seq))
-# The row lock of this UPDATE serializes appends to one trial across replicas: sample numbers
-# are taken from the count it returns.
 # A closed trial keeps no lease (a renewal racing its stream's close must not re-arm one).
 _RENEW_LEASES = update(trials).where(
     trials.c.trial_seq.in_(bindparam("seqs", expanding=True)), trials.c.closed == false()
@@ -105,14 +103,28 @@ class DatastoreStore:
         # cost more than the database's own (and on PostgreSQL it runs on the event loop). On
         # SQLite, in a transaction of their own too (`Database.write_direct`); on PostgreSQL they
         # serve only the batches that hold one trial twice (two streams of it).
-        # The UPDATE's row lock serializes appends to one trial across replicas: sample numbers
-        # are taken from the count it returns.
+        # A batch is three statements whatever its size (each statement is a hand-off of the GIL
+        # on the writer thread): the trials' counts, every sample, every trial's update. Sample
+        # numbers are taken from the counts read first, so the trials must stay locked from that
+        # read on: SQLite's write transaction locks the database (BEGIN IMMEDIATE), PostgreSQL's
+        # rows are locked by the read (FOR UPDATE, in trial order, so two replicas never wait on
+        # each other in a cycle).
+        if database.is_postgresql:
+            self._lock_counts = (
+                f"SELECT trial_seq, samples_count FROM {trials.name} WHERE trial_seq = ANY(%s) "
+                "ORDER BY trial_seq FOR UPDATE"
+            )
+        else:
+            self._lock_counts = (
+                f"SELECT trial_seq, samples_count FROM {trials.name} "
+                "WHERE trial_seq IN (SELECT value FROM json_each(?))"
+            )
         mark = "%s" if database.is_postgresql else "?"
         self._bump_trial = (
             f"UPDATE {trials.name} SET samples_count = samples_count + {mark}, "
             f"last_state = COALESCE({mark}, last_state), ended = (ended OR {mark}), "
             f"closed = (closed OR {mark}), lease_until = CASE WHEN {mark} THEN 0 ELSE lease_until END "
-            f"WHERE trial_seq = {mark} RETURNING samples_count"
+            f"WHERE trial_seq = {mark}"
         )
         self._insert_samples = (
             f"INSERT INTO {samples.name} (trial_seq, sample_seq, data) VALUES ({mark}, {mark}, {mark})"
@@ -299,25 +311,31 @@ class DatastoreStore:
         return await self.db.write(write, self.feed)
 
     def _append_on(self, cursor: Any, appends: Sequence[SampleAppend]) -> list[int | None]:
-        """The appends, one after the other, on a driver cursor inside a transaction."""
-        firsts: list[int | None] = []
-        for append in appends:
-            added = len(append.samples)
-            seq = append.trial_seq
+        """The appends, in order, on a driver cursor inside a transaction."""
+        seqs = sorted({append.trial_seq for append in appends})
+        counts: dict[int, int] = {}
+        for batch in in_batches(seqs):
             cursor.execute(
-                self._bump_trial, (added, append.last_state, append.ended, append.close, append.close, seq)
+                self._lock_counts, (list(batch) if self.db.is_postgresql else json.dumps(list(batch)),)
             )
-            row = cursor.fetchone()
-            if row is None:
-                firsts.append(None)
-                continue
-            first = int(row[0]) - added
-            if added:
-                cursor.executemany(
-                    self._insert_samples,
-                    [(seq, first + index, data) for index, data in enumerate(append.samples)],
-                )
+            counts.update((int(seq), int(count)) for seq, count in cursor.fetchall())
+        firsts: list[int | None] = []
+        rows: list[tuple[int, int, bytes]] = []
+        bumps: list[tuple[int, int | None, bool, bool, bool, int]] = []
+        for append in appends:
+            seq = append.trial_seq
+            first = counts.get(seq)
             firsts.append(first)
+            if first is None:  # deleted: its samples are dropped
+                continue
+            added = len(append.samples)
+            counts[seq] = first + added
+            rows.extend((seq, first + index, data) for index, data in enumerate(append.samples))
+            bumps.append((added, append.last_state, append.ended, append.close, append.close, seq))
+        if rows:
+            cursor.executemany(self._insert_samples, rows)
+        if bumps:
+            cursor.executemany(self._bump_trial, bumps)
         return firsts
 
     async def _append_in_one_statement(self, appends: Sequence[SampleAppend]) -> list[int | None]:
