@@ -83,13 +83,16 @@ class IngestionBuffer:
         return self.submitted - self.committed
 
     def add(self, data: bytes, state: int) -> None:
+        # Once per sample: the batcher's counters are updated here rather than through calls.
+        size = len(data)
         self._samples.append(data)
         self._states.append(state)
         self.submitted += 1
-        self.in_flight_bytes += len(data)
-        self.pending_bytes += len(data)
-        self._batcher.received(len(data))
-        self._batcher.schedule(self)
+        self.in_flight_bytes += size
+        self.pending_bytes += size
+        self._batcher.in_flight_bytes += size
+        if not self.queued:
+            self._batcher.schedule(self)
 
     def close(self) -> None:
         """After the samples added so far: the ingestion stream closed."""
@@ -101,22 +104,18 @@ class IngestionBuffer:
 
     def take(self, limit: int) -> tuple[SampleAppend, int]:
         """The next append (at most `limit` samples), and its size in bytes."""
-        count = min(len(self._samples), limit)
-        samples, states = self._samples[:count], self._states[:count]
-        del self._samples[:count], self._states[:count]
-        changes = [state for state in states if state != NO_STATE]
+        if len(self._samples) <= limit:  # usually: everything pending, its lists handed over
+            samples, states, size = self._samples, self._states, self.pending_bytes
+            self._samples, self._states = [], []
+        else:
+            samples, states = self._samples[:limit], self._states[:limit]
+            del self._samples[:limit], self._states[:limit]
+            size = sum(map(len, samples))
+        last_state = next((state for state in reversed(states) if state != NO_STATE), None)
         close = self._closing and not self._samples
         self._close_taken = self._close_taken or close
-        append = SampleAppend(
-            self.trial_seq,
-            samples,
-            last_state=changes[-1] if changes else None,
-            ended=ENDED in changes,
-            close=close,
-        )
-        size = sum(len(data) for data in samples)
         self.pending_bytes -= size
-        return append, size
+        return SampleAppend(self.trial_seq, samples, last_state, ENDED in states, close), size
 
     def stored(self, append: SampleAppend, size: int) -> None:
         self.committed += len(append.samples)
@@ -200,9 +199,6 @@ class SampleBatcher:
         finally:
             self._room_waiters.discard(woken)
             woken.clear()
-
-    def received(self, size: int) -> None:
-        self.in_flight_bytes += size
 
     def released(self, size: int) -> None:
         self.in_flight_bytes -= size
