@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from services.directory.model import CHECK_LEASE_NS, Endpoint, Registration
+from services.directory.service import STATISTICS_MIN_ENTRIES
 from services.directory.store import DirectoryStore
 from shared.db import Database
 from tests.helpers.directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
@@ -159,6 +160,27 @@ async def test_claims_of_a_crashed_checker_are_taken_over(database_url: str) -> 
         assert [t.service_id for t in await store.claim_due_checks(time.time_ns(), lease, 10)] == [service_id]
     finally:
         await database.close()
+
+
+async def test_a_nearly_empty_directory_is_not_analyzed(postgres_url: str) -> None:
+    """Statistics of a nearly empty table make PostgreSQL plan the properties' foreign-key checks
+    as sequential scans, kept per connection until the next ANALYZE: the directory leaves them
+    alone below STATISTICS_MIN_ENTRIES, and refreshes them once there are more."""
+    async with make_directory_factory(postgres_url)() as directory:
+        database = directory.service.database
+
+        async def analyzed_rows() -> float:
+            query = "SELECT reltuples FROM pg_class WHERE relname = 'directory_services'"
+            return float((await database.fetch(text(query)))[0][0])
+
+        await register_ok(
+            directory, *(request(ACTOR, {"n": str(i)}) for i in range(STATISTICS_MIN_ENTRIES - 1))
+        )
+        await directory.service._maintain()
+        assert await analyzed_rows() == -1  # never analyzed
+        await register_ok(directory, request(ACTOR, {"n": "last"}))
+        await directory.service._maintain()
+        assert await analyzed_rows() == STATISTICS_MIN_ENTRIES
 
 
 async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: str) -> None:
