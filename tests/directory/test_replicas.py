@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -15,6 +15,7 @@ from sqlalchemy import text
 from services.directory.model import CHECK_LEASE_NS, Endpoint, Registration
 from services.directory.service import STATISTICS_MIN_ENTRIES
 from services.directory.store import DirectoryStore
+from shared.api import directory_pb2
 from shared.db import Database
 from tests.helpers.directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
 from tests.helpers.fake_services import FakeCogmentService
@@ -162,25 +163,26 @@ async def test_claims_of_a_crashed_checker_are_taken_over(database_url: str) -> 
         await database.close()
 
 
+async def analyzed_rows(database: Database) -> float:
+    """The entries PostgreSQL's statistics count (-1: never analyzed)."""
+    query = "SELECT reltuples FROM pg_class WHERE relname = 'directory_services'"
+    return float((await database.fetch(text(query)))[0][0])
+
+
 async def test_a_nearly_empty_directory_is_not_analyzed(postgres_url: str) -> None:
     """Statistics of a nearly empty table make PostgreSQL plan the properties' foreign-key checks
     as sequential scans, kept per connection until the next ANALYZE: the directory leaves them
     alone below STATISTICS_MIN_ENTRIES, and refreshes them once there are more."""
     async with make_directory_factory(postgres_url)() as directory:
         database = directory.service.database
-
-        async def analyzed_rows() -> float:
-            query = "SELECT reltuples FROM pg_class WHERE relname = 'directory_services'"
-            return float((await database.fetch(text(query)))[0][0])
-
         await register_ok(
             directory, *(request(ACTOR, {"n": str(i)}) for i in range(STATISTICS_MIN_ENTRIES - 1))
         )
         await directory.service._maintain()
-        assert await analyzed_rows() == -1  # never analyzed
+        assert await analyzed_rows(database) == -1  # never analyzed
         await register_ok(directory, request(ACTOR, {"n": "last"}))
         await directory.service._maintain()
-        assert await analyzed_rows() == STATISTICS_MIN_ENTRIES
+        assert await analyzed_rows(database) == STATISTICS_MIN_ENTRIES
 
 
 async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: str) -> None:
@@ -188,24 +190,37 @@ async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: 
     burst instead of waiting for autovacuum."""
     async with make_directory_factory(postgres_url)() as directory:
         await register_ok(directory, *(request(ACTOR, {"n": str(i)}) for i in range(300)))
-        database = directory.service.database
-
-        async def analyzed_rows() -> float:
-            query = "SELECT reltuples FROM pg_class WHERE relname = 'directory_services'"
-            return float((await database.fetch(text(query)))[0][0])
-
         deadline = time.monotonic() + 15
-        while await analyzed_rows() < 300:
+        while await analyzed_rows(directory.service.database) < 300:
             assert time.monotonic() < deadline, "statistics were not refreshed"
             await asyncio.sleep(0.5)
 
 
-async def test_a_registration_committed_before_its_answer_was_lost_is_served_here_too(
-    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+async def served_here_after_its_lost_answer(
+    directory: RunningDirectory,
+    registration: directory_pb2.RegisterRequest,
+    lose: Callable[[pytest.MonkeyPatch], None],
 ) -> None:
-    """PostgreSQL: new entries are written by one statement; when its answer is lost after the
-    commit (the connection broke), the client is told UNAVAILABLE, and the entry, which every
-    other replica serves, is served by this one too rather than after its next reload."""
+    """Register while `lose` makes the database's answer to the commit get lost: the client is
+    told UNAVAILABLE, and the entry, which every other replica serves, is served by this one too
+    (from memory) rather than after its next reload."""
+    with pytest.MonkeyPatch.context() as patch:
+        lose(patch)
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            await register(directory, registration)
+    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+    deadline = time.monotonic() + PROPAGATION_LIMIT_S
+    while len(await visible_ids(directory, properties=dict(registration.details.properties))) != 1:
+        assert time.monotonic() < deadline, "the entry is not served by the replica that wrote it"
+        await asyncio.sleep(0.01)
+    assert directory.service.index.current  # answered from memory, not from the database
+
+
+async def test_a_registration_committed_before_its_answer_was_lost_is_served_here_too(
+    postgres_url: str,
+) -> None:
+    """PostgreSQL: new entries are written by one statement, whose answer is lost after the
+    commit (the connection broke)."""
     async with make_directory_factory(postgres_url)() as directory:
         database = directory.service.database
         written = database.fetch_direct
@@ -214,26 +229,18 @@ async def test_a_registration_committed_before_its_answer_was_lost_is_served_her
             await written(sql, parameters)
             raise psycopg.OperationalError("server closed the connection unexpectedly")
 
-        monkeypatch.setattr(database, "fetch_direct", lost_after_commit)
-        with pytest.raises(grpc.aio.AioRpcError) as lost:
-            await register(directory, request(properties={"answer": "lost"}))
-        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-        monkeypatch.setattr(database, "fetch_direct", written)
-
-        deadline = time.monotonic() + PROPAGATION_LIMIT_S
-        while len(await visible_ids(directory, properties={"answer": "lost"})) != 1:
-            assert time.monotonic() < deadline, "the entry is not served by the replica that wrote it"
-            await asyncio.sleep(0.01)
-        assert directory.service.index.current  # answered from memory, not from the database
+        await served_here_after_its_lost_answer(
+            directory,
+            request(properties={"answer": "lost"}),
+            lambda patch: patch.setattr(database, "fetch_direct", lost_after_commit),
+        )
 
 
 async def test_a_permanent_registration_whose_commit_answer_was_lost_is_served_here_too(
-    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+    postgres_url: str,
 ) -> None:
-    """PostgreSQL: permanent entries are written in a transaction; when its COMMIT succeeds but
-    its answer is lost (the connection broke), the client is told UNAVAILABLE, and the entry,
-    which every other replica serves, is served by this one too rather than after its next
-    reload (`Database.write` wakes this process's watchers of a transaction whose COMMIT failed)."""
+    """PostgreSQL: permanent entries are written in a transaction, whose COMMIT succeeds but its
+    answer is lost (`Database.write` wakes this process's watchers of a failed COMMIT)."""
     async with make_directory_factory(postgres_url)() as directory:
         dialect = directory.service.database.engine.sync_engine.dialect
         commit = dialect.do_commit
@@ -242,14 +249,8 @@ async def test_a_permanent_registration_whose_commit_answer_was_lost_is_served_h
             commit(dbapi_connection)
             raise psycopg.OperationalError("server closed the connection unexpectedly")
 
-        monkeypatch.setattr(dialect, "do_commit", lost_after_commit)
-        with pytest.raises(grpc.aio.AioRpcError) as lost:
-            await register(directory, request(properties={"answer": "lost"}, permanent=True))
-        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-        monkeypatch.setattr(dialect, "do_commit", commit)
-
-        deadline = time.monotonic() + PROPAGATION_LIMIT_S
-        while len(await visible_ids(directory, properties={"answer": "lost"})) != 1:
-            assert time.monotonic() < deadline, "the entry is not served by the replica that wrote it"
-            await asyncio.sleep(0.01)
-        assert directory.service.index.current  # answered from memory, not from the database
+        await served_here_after_its_lost_answer(
+            directory,
+            request(properties={"answer": "lost"}, permanent=True),
+            lambda patch: patch.setattr(dialect, "do_commit", lost_after_commit),
+        )
