@@ -298,6 +298,14 @@ class Transaction:
         self.changed_keys.extend(keys)
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark the outcome of a future nobody may await any more (its awaiter was cancelled) as
+    seen: its failure was reported by whoever awaited it, or was of no interest after a
+    cancellation."""
+    if not future.cancelled():
+        future.exception()
+
+
 class Database:
     """An async engine plus the transaction helpers every store uses."""
 
@@ -447,14 +455,22 @@ class Database:
                 committing.extend(transaction.changed_keys)
             return result
 
+        def wake(_: object = None) -> None:
+            if committing and feed is not None:
+                feed.wake(committing)
+
+        if self._sqlite_writer is not None:
+            # Woken once the work is over, also when this caller was cancelled meanwhile: the
+            # writer thread goes on, and its COMMIT may land after the cancellation.
+            done = self._sqlite_writer.submit(run)
+            done.add_done_callback(_retrieved)
+            done.add_done_callback(wake)
+            return await asyncio.shield(done)
         try:
-            if self._sqlite_writer is not None:
-                return await self._sqlite_writer.submit(run)
             async with self.engine.connect() as connection:
                 return await connection.run_sync(run)
         finally:
-            if committing and feed is not None:
-                feed.wake(committing)
+            wake()
 
     async def foreign_commits(self) -> int:
         """SQLite: a number that changes whenever another process commits to the file.

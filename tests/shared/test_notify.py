@@ -4,6 +4,7 @@ and after the listening connection was lost."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -216,3 +217,26 @@ async def _eventually(condition: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("not within 5 s")
+
+
+async def test_a_write_whose_caller_was_cancelled_wakes_watchers_once_it_commits(
+    sqlite_feed: ChangeFeed,
+) -> None:
+    """The SQLite writer thread finishes a transaction whose caller was cancelled meanwhile (a
+    client that cancelled its call): this process's watchers are woken when it commits, not at
+    the cancellation, before it (they would look too early and never again)."""
+    release = threading.Event()
+
+    def slow(transaction: Transaction) -> None:
+        transaction.changed(["k"])
+        assert release.wait(10)
+
+    with sqlite_feed.watch(["k"]) as watch:
+        writing = asyncio.create_task(sqlite_feed.database.write(slow, sqlite_feed))
+        await asyncio.sleep(0.1)  # the writer thread is in the transaction
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        assert not await watch.wait(0.1)
+        release.set()
+        assert await watch.wait(5)
