@@ -175,14 +175,19 @@ async def test_a_nearly_empty_directory_is_not_analyzed(postgres_url: str) -> No
     alone below STATISTICS_MIN_ENTRIES, and refreshes them once there are more."""
     async with make_directory_factory(postgres_url)() as directory:
         database = directory.service.database
+
+        async def analyzes() -> int:  # ANALYZE statements, not autovacuum's
+            query = "SELECT analyze_count FROM pg_stat_user_tables WHERE relname = 'directory_services'"
+            return int((await database.fetch(text(query)))[0][0])
+
         await register_ok(
             directory, *(request(ACTOR, {"n": str(i)}) for i in range(STATISTICS_MIN_ENTRIES - 1))
         )
         await directory.service._maintain()
-        assert await analyzed_rows(database) == -1  # never analyzed
+        assert await analyzes() == 0
         await register_ok(directory, request(ACTOR, {"n": "last"}))
-        await directory.service._maintain()
-        assert await analyzed_rows(database) == STATISTICS_MIN_ENTRIES
+        await directory.service._maintain()  # or the periodic one, at the same time
+        assert await analyzes() >= 1
 
 
 async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: str) -> None:
