@@ -107,8 +107,7 @@ class DatastoreStore:
         # on the writer thread): the trials' counts, every sample, every trial's update. Sample
         # numbers are taken from the counts read first, so the trials must stay locked from that
         # read on: SQLite's write transaction locks the database (BEGIN IMMEDIATE), PostgreSQL's
-        # rows are locked by the read (FOR UPDATE, in trial order, so two replicas never wait on
-        # each other in a cycle).
+        # rows are locked by the read (FOR UPDATE, in trial order).
         if database.is_postgresql:
             self._lock_counts = (
                 f"SELECT trial_seq, samples_count FROM {trials.name} WHERE trial_seq = ANY(%s) "
