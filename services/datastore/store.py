@@ -311,13 +311,10 @@ class DatastoreStore:
 
     def _append_on(self, cursor: Any, appends: Sequence[SampleAppend]) -> list[int | None]:
         """The appends, in order, on a driver cursor inside a transaction."""
+        # One parameter holds every trial (an array, or a JSON list): no cap on its length.
         seqs = sorted({append.trial_seq for append in appends})
-        counts: dict[int, int] = {}
-        for batch in in_batches(seqs):
-            cursor.execute(
-                self._lock_counts, (list(batch) if self.db.is_postgresql else json.dumps(list(batch)),)
-            )
-            counts.update((int(seq), int(count)) for seq, count in cursor.fetchall())
+        cursor.execute(self._lock_counts, (seqs if self.db.is_postgresql else json.dumps(seqs),))
+        counts = {int(seq): int(count) for seq, count in cursor.fetchall()}
         firsts: list[int | None] = []
         rows: list[tuple[int, int, bytes]] = []
         bumps: list[tuple[int, int | None, bool, bool, bool, int]] = []
