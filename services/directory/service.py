@@ -192,10 +192,7 @@ class DirectoryService(Service[DirectorySettings]):
         if (
             self.database.is_postgresql
             and total >= STATISTICS_MIN_ENTRIES
-            and (
-                analyzed is None
-                or abs(total - analyzed) > STATISTICS_DRIFT * max(analyzed, STATISTICS_MIN_ENTRIES)
-            )
+            and (analyzed is None or abs(total - analyzed) > STATISTICS_DRIFT * analyzed)
         ):
             await self.store.refresh_statistics()
             self._analyzed_at_count = total
