@@ -80,8 +80,8 @@ def _exit_status(returncode: int) -> int:
     return returncode or 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    values = parse_options(OPTIONS, argv, prog="python -m services", description=DESCRIPTION, epilog=EPILOG)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m services") -> int:
+    values = parse_options(OPTIONS, argv, prog=prog, description=DESCRIPTION, epilog=EPILOG)
     configure_logging(values["log_level"], values["log_format"], values["log_file"])
     logging_flags = ["--log_level", values["log_level"], "--log_format", values["log_format"]]
     if values["log_file"]:

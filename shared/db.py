@@ -38,7 +38,8 @@ _PROBE = text("SELECT 1")
 
 # What a database URL may be, as start-up errors say it.
 URL_FORMS = "sqlite+aiosqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# The alembic history (migrations/), linked into the package so that it ships in the wheel.
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 DEFAULT_DATA_DIR = ".cogment-aux"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 CONNECT_TIMEOUT_S = 5

@@ -37,10 +37,8 @@ async def migrate(database: Database) -> str | None:
         await database.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    values = parse_options(
-        OPTIONS, argv, prog="python -m shared.migrate", description=__doc__.splitlines()[0]
-    )
+def main(argv: Sequence[str] | None = None, prog: str = "python -m shared.migrate") -> int:
+    values = parse_options(OPTIONS, argv, prog=prog, description=__doc__.splitlines()[0])
     configure_logging(values["log_level"], values["log_format"], values["log_file"])
     log = get_logger("shared.migrate")
     url = values["database_url"] or default_database_url(values["data_dir"], values["service"])

@@ -344,12 +344,15 @@ async def serve(
     log.info("stopped", service=service.name)
 
 
-def run_service_main(service_class: type[Service[Any]], argv: Sequence[str] | None = None) -> int:
-    """What `python -m services.<name>` does: read the flags, set up logging, serve until a signal."""
+def run_service_main(
+    service_class: type[Service[Any]], argv: Sequence[str] | None = None, prog: str | None = None
+) -> int:
+    """What `python -m services.<name>` (or `prog`) does: read the flags, set up logging, serve
+    until a signal."""
     values = parse_options(
         service_class.options,
         argv,
-        prog=f"python -m services.{service_class.name}",
+        prog=prog or f"python -m services.{service_class.name}",
         description=service_class.description,
     )
     settings = service_class.settings_type.from_values(values)

@@ -9,8 +9,8 @@ from services.datastore.service import DatastoreService
 from shared.server import run_service_main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_service_main(DatastoreService, argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    return run_service_main(DatastoreService, argv, prog)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from services.model_registry.service import ModelRegistryService
 from shared.server import run_service_main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_service_main(ModelRegistryService, argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    return run_service_main(ModelRegistryService, argv, prog)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Generate the Python protobuf code in `shared/api/` from `shared/protos/cogment/api/*.proto`.
+"""Generate the Python protobuf code in `shared/api/` from `shared/protos/cogment/api/*.proto`, and
+that of the project's other protos (`PROTO_SETS`) beside them.
 
 Usage: `python -m shared.protos.generate` to (re)write the generated files, or
 `python -m shared.protos.generate --check` to fail when the committed files drift from the protos.
@@ -17,15 +18,35 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc_tools
 
 PROTO_ROOT = Path(__file__).resolve().parent
-PROTO_DIR = PROTO_ROOT / "cogment" / "api"
-OUTPUT_DIR = PROTO_ROOT.parent / "api"
+PROJECT_ROOT = PROTO_ROOT.parent.parent
 IMPORT_PATTERN = re.compile(r"\bcogment\.api\b")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+
+
+@dataclass(frozen=True)
+class ProtoSet:
+    """The protos of one folder, and the package folder their modules are written into (imports of
+    `cogment.api` rewritten to `shared.api`)."""
+
+    root: Path  # the include root the files are named from
+    folder: str  # where the protos are, under `root`
+    output: Path
+
+    @property
+    def protos(self) -> list[Path]:
+        return sorted((self.root / self.folder).glob("*.proto"))
+
+
+PROTO_SETS = [
+    # The Cogment API, under the reference's file names.
+    ProtoSet(PROTO_ROOT, "cogment/api", PROTO_ROOT.parent / "api"),
+]
 
 
 def _plugin(name: str) -> str:
@@ -36,15 +57,15 @@ def _plugin(name: str) -> str:
     return str(found)
 
 
-def generate_into(target: Path) -> None:
-    """Run protoc over every proto file and write the rewritten modules into `target`."""
-    protos = sorted(PROTO_DIR.glob("*.proto"))
+def generate_into(proto_set: ProtoSet, target: Path) -> None:
+    """Run protoc over the set's proto files and write the rewritten modules into `target`."""
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as raw_dir:
         command = [
             sys.executable,
             "-m",
             "grpc_tools.protoc",
+            f"-I{proto_set.root}",
             f"-I{PROTO_ROOT}",
             f"-I{well_known}",
             f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
@@ -53,31 +74,41 @@ def generate_into(target: Path) -> None:
             f"--grpc_python_out={raw_dir}",
             f"--mypy_out=quiet:{raw_dir}",
             f"--mypy_grpc_out=quiet:{raw_dir}",
-            *(str(proto.relative_to(PROTO_ROOT)) for proto in protos),
+            *(str(proto.relative_to(proto_set.root)) for proto in proto_set.protos),
         ]
         subprocess.run(command, check=True)
         target.mkdir(parents=True, exist_ok=True)
-        for produced in sorted((Path(raw_dir) / "cogment" / "api").iterdir()):
+        for produced in sorted((Path(raw_dir) / proto_set.folder).iterdir()):
             if produced.name.endswith(GENERATED_SUFFIXES):
                 text = IMPORT_PATTERN.sub("shared.api", produced.read_text())
                 (target / produced.name).write_text(text)
 
 
-def _generated_files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
+def _generated_files(directory: Path, proto_set: ProtoSet) -> list[str]:
+    """The set's modules in `directory`: those named after its protos."""
+    stems = {proto.stem for proto in proto_set.protos}
+    return sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.name.endswith(GENERATED_SUFFIXES) and p.name.split("_pb2")[0] in stems
+    )
 
 
 def check() -> int:
-    with tempfile.TemporaryDirectory() as fresh_dir:
-        fresh = Path(fresh_dir)
-        generate_into(fresh)
-        expected, committed = _generated_files(fresh), _generated_files(OUTPUT_DIR)
-        drifted = sorted(set(expected) ^ set(committed))
-        drifted += [
-            name
-            for name in expected
-            if name in committed and not filecmp.cmp(fresh / name, OUTPUT_DIR / name, shallow=False)
-        ]
+    drifted: list[str] = []
+    for proto_set in PROTO_SETS:
+        with tempfile.TemporaryDirectory() as fresh_dir:
+            fresh = Path(fresh_dir)
+            generate_into(proto_set, fresh)
+            expected = sorted(p.name for p in fresh.iterdir())
+            committed = _generated_files(proto_set.output, proto_set)
+            output = proto_set.output.relative_to(PROJECT_ROOT)
+            drifted += [f"{output}/{name}" for name in sorted(set(expected) ^ set(committed))]
+            drifted += [
+                f"{output}/{name}"
+                for name in expected
+                if name in committed and not filecmp.cmp(fresh / name, proto_set.output / name, shallow=False)
+            ]
     if drifted:
         print("generated protobuf code is out of date: " + ", ".join(drifted), file=sys.stderr)
         print("run `python -m shared.protos.generate` and commit the result", file=sys.stderr)
@@ -91,9 +122,10 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if the generated code drifted")
     if parser.parse_args().check:
         return check()
-    for stale in _generated_files(OUTPUT_DIR) if OUTPUT_DIR.exists() else []:
-        (OUTPUT_DIR / stale).unlink()
-    generate_into(OUTPUT_DIR)
+    for proto_set in PROTO_SETS:
+        for stale in _generated_files(proto_set.output, proto_set) if proto_set.output.exists() else []:
+            (proto_set.output / stale).unlink()
+        generate_into(proto_set, proto_set.output)
     return 0
 
 
