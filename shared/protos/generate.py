@@ -46,6 +46,8 @@ class ProtoSet:
 PROTO_SETS = [
     # The Cogment API, under the reference's file names.
     ProtoSet(PROTO_ROOT, "cogment/api", PROTO_ROOT.parent / "api"),
+    # The messages of the demo's trials (`cogment-aux demo`), which training code decodes.
+    ProtoSet(PROJECT_ROOT / "services/demo/protos", "cogment_aux_demo", PROJECT_ROOT / "services/demo/api"),
 ]
 
 
