@@ -70,7 +70,14 @@ def server_options(env_prefix: str, default_port: int) -> list[Option]:
             f"{env_prefix}_PORT",
             port_number,
         ),
-        Option("bind_address", "address to listen on", "0.0.0.0", f"{env_prefix}_BIND_ADDRESS"),
+        Option(
+            "bind_address",
+            # Loopback by default: what a quick start serves is not reachable from other machines
+            # until asked (the chart and the image set 0.0.0.0 explicitly).
+            "address to listen on, also of --health_port and --metrics_port; 0.0.0.0 serves other machines",
+            "127.0.0.1",
+            f"{env_prefix}_BIND_ADDRESS",
+        ),
         Option(
             "grpc_reflection", "serve gRPC reflection", False, f"{env_prefix}_GRPC_REFLECTION", parse_bool
         ),
