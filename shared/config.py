@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -72,10 +73,43 @@ class Option:
         return self.parse is parse_bool
 
 
+# How `--help` names an option's environment variable, on a line of its own.
+_ENV_LINE = "[env "
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's help, with the description and epilog kept as written (examples), and help
+    texts wrapped between words only, each of their lines on its own: an option's environment
+    variable gets a line of its own (`add_options`), and a name longer than the column
+    (`COGMENT_MODEL_REGISTRY_SENT_MODEL_VERSION_DATA_CHUNK_SIZE`) overflows it rather than being
+    cut in two, which could then not be copied. Flags keep their hyphens whole for the same reason."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        lines: list[str] = []
+        for line in text.splitlines():
+            line = " ".join(line.split())
+            if line.startswith(_ENV_LINE):
+                lines.append(line)  # whole, even past the column: it is one name
+            else:
+                lines += textwrap.wrap(line, width, break_long_words=False, break_on_hyphens=False)
+        return lines
+
+
+def build_parser(
+    options: Sequence[Option], *, prog: str, description: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
+    """The parser of `options`, with the project's help layout (`HelpFormatter`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter
+    )
+    add_options(parser, options)
+    return parser
+
+
 def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
     for option in options:
         names = [f"--{option.flag}", *(f"--{alias}" for alias in option.aliases)]
-        where = f" [env {option.env}]" if option.env else ""
+        where = f"\n{_ENV_LINE}{option.env}]" if option.env else ""  # its own line: see HelpFormatter
         default = "" if option.default in (None, "") else f" (default: {option.default})"
         kwargs: dict[str, Any] = {
             "dest": option.flag,
@@ -130,12 +164,5 @@ def parse_options(
     epilog: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    # Raw: an epilog keeps its lines (examples).
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=description,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(parser, options)
+    parser = build_parser(options, prog=prog, description=description, epilog=epilog)
     return resolve(parser, options, parser.parse_args(argv), environ)
