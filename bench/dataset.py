@@ -60,8 +60,8 @@ from bench.common import (  # noqa: E402
     start_server,
 )
 from bench.datastore import Workload, datalog_stream, ingest, trial_ids  # noqa: E402
-from services.datastore.client import main as client_main  # noqa: E402
-from services.datastore.training import Shift, TrainingData  # noqa: E402
+from services.datastore.client.cli import main as client_main  # noqa: E402
+from services.datastore.client.training import Shift, TrainingData  # noqa: E402
 
 FORMATS = ("cogment", "parquet")
 FRAMES = "-3:0"  # the 4-frame observation stack

@@ -1,6 +1,7 @@
-"""What the command-line clients share: option parsers, JSON output, progress bars, and the
-program around their commands (flags into a command, the connection, errors into exit codes), so
-that each client module holds only its own commands."""
+"""What the command-line clients share: option parsers, the TLS flags, JSON output, progress
+bars, and the program around their commands (flags into a command, the connection, errors into
+exit codes), so that each client's `cli` module holds only its own commands. The connection
+itself, which the Python APIs use too, is `shared.client`."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, BinaryIO, ClassVar, Generic, TextIO, TypeVar
+from typing import IO, Any, BinaryIO, Generic, TextIO, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from shared.channel import ClientTls
+from shared.client import DEFAULT_TIMEOUT_S, ClientError, ServiceClient
 from shared.config import Option, add_options, parse_bool, resolve
 from shared.endpoints import GrpcEndpoint, parse_grpc_endpoint, parse_properties
 
-DEFAULT_TIMEOUT_S = 30.0
 STDIO = "-"  # as a file name: standard input or output
 PROGRESS_INTERVAL_S = 0.1
 PROGRESS_BAR_WIDTH = 30
@@ -44,10 +46,6 @@ _DURATION_UNITS = {
 Values = Mapping[str, Any]
 # Reports invalid usage: argparse's `error`, which exits with code 2.
 Usage = Callable[[str], Any]
-
-
-class ClientError(Exception):
-    """A failure reported to the user as `Error: <message>` with exit code 1."""
 
 
 # ---- option value parsers ----
@@ -105,12 +103,42 @@ CONSOLE_OUTPUT_OPTION = Option(
     str.lower,
     choices=["text", "json"],
 )
+# The client's TLS, as the services name theirs (`--tls_cert`...), under COGMENT_CLIENT_ variables: a
+# service's own COGMENT_<SERVICE>_TLS_CERT is its server certificate, often set in the same shell.
+TLS_OPTIONS = [
+    Option(
+        "tls_ca",
+        "PEM CA bundle the server's certificate is checked against: connect over TLS (a grpcs:// "
+        "endpoint without it: TLS checked against the system's CAs)",
+        "",
+        "COGMENT_CLIENT_TLS_CA",
+    ),
+    Option(
+        "tls_cert",
+        "PEM client certificate, for a server that requires one (mTLS); with --tls_key",
+        "",
+        "COGMENT_CLIENT_TLS_CERT",
+    ),
+    Option("tls_key", "PEM private key of --tls_cert", "", "COGMENT_CLIENT_TLS_KEY"),
+]
 PROGRESS_OPTION = Option(
     "progress",
     "show a progress bar on standard error (default: for large transfers when it is a terminal)",
     None,
     parse=parse_bool,
 )
+
+
+def tls_of(values: Values) -> ClientTls | None:
+    """The TLS the flags ask for: none when no TLS flag is set (a grpcs:// endpoint still is)."""
+    if not (values["tls_ca"] or values["tls_cert"] or values["tls_key"]):
+        return None
+    return ClientTls(values["tls_ca"], values["tls_cert"], values["tls_key"])
+
+
+def check_tls(values: Values, usage: Usage) -> None:
+    if bool(values["tls_cert"]) != bool(values["tls_key"]):
+        usage("--tls_cert and --tls_key go together: a client certificate needs its key")
 
 
 # ---- output ----
@@ -208,50 +236,6 @@ def _discard_standard_output(out: TextIO) -> None:
         os.close(devnull)
 
 
-# ---- the connection ----
-
-
-class ServiceClient:
-    """One connection to the service of a client, with the timeout of its calls and the words
-    its failures are reported with."""
-
-    # The service, as messages name it ("model registry").
-    service: ClassVar[str]
-    # Whether calls wait for the service to be reachable (gRPC wait-for-ready): UNAVAILABLE is
-    # then the service's own answer, not a sign that it cannot be reached.
-    waits_for_ready: ClassVar[bool] = False
-
-    def __init__(
-        self, endpoint: GrpcEndpoint, timeout_s: float, channel_options: Sequence[tuple[str, int]]
-    ) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(endpoint.address, options=list(channel_options))
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    def no_answer(self) -> str:
-        return f"the {self.service} at {self.endpoint} did not answer within {self.timeout_s:g} s"
-
-    async def within_timeout(self, step: Awaitable[T], call: grpc.aio.Call | None = None) -> T:
-        """`step`, or a ClientError (cancelling `call`) if it takes longer than the timeout."""
-        try:
-            return await asyncio.wait_for(step, self.timeout_s)
-        except asyncio.TimeoutError:
-            if call is not None:
-                call.cancel()
-            raise ClientError(self.no_answer()) from None
-
-    def describe_rpc_error(self, error: grpc.aio.AioRpcError, command: str) -> str:
-        code = error.code()
-        if code == grpc.StatusCode.UNAVAILABLE and not self.waits_for_ready:
-            return f"cannot reach the {self.service} at {self.endpoint} ({error.details()})"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return self.no_answer()
-        return f"{command} failed: {code.name}: {error.details()} ({self.service} {self.endpoint})"
-
-
 C = TypeVar("C", bound=ServiceClient)
 
 
@@ -310,20 +294,25 @@ class ClientProgram(Generic[C]):
 
     prog: str
     description: str
-    options: Sequence[Option]  # the flags of every command
+    options: Sequence[Option]  # the flags of every command, besides the TLS flags every client has
     commands: Sequence[Command[C]]
+    # The client of the flags' endpoint and TLS (`tls_of(values)`).
     connect: Callable[[Values], C]
 
-    def build_parser(self) -> argparse.ArgumentParser:
+    @property
+    def common_options(self) -> list[Option]:
+        return [*self.options, *TLS_OPTIONS]
+
+    def build_parser(self, prog: str | None = None) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(
-            prog=self.prog,
+            prog=prog or self.prog,
             description=self.description,
             epilog=(
                 "Exit codes: 0 success, 1 failure, 2 invalid usage, 130 interrupted, 141 output "
                 "closed before everything was written (e.g. by `| head`)."
             ),
         )
-        add_options(parser, self.options)
+        add_options(parser, self.common_options)
         commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
         for command in self.commands:
             subparser = commands.add_parser(
@@ -337,7 +326,7 @@ class ClientProgram(Generic[C]):
                     nargs=positional.nargs,
                     metavar=positional.metavar,
                 )
-            add_options(subparser, [*self.options, *command.options])
+            add_options(subparser, [*self.common_options, *command.options])
             if command.add_arguments is not None:
                 command.add_arguments(subparser)
             subparser.set_defaults(command_spec=command, command_parser=subparser)
@@ -349,15 +338,18 @@ class ClientProgram(Generic[C]):
         environ: Mapping[str, str] | None = None,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        prog: str | None = None,
     ) -> int:
+        """Run the command of `argv` (`prog`: how `--help` names the program, default `self.prog`)."""
         out = out or sys.stdout
         err = err or sys.stderr
         words = self._attach_dashed_values(sys.argv[1:] if argv is None else argv)
-        args = self.build_parser().parse_args(words)
+        args = self.build_parser(prog).parse_args(words)
         command: Command[C] = args.command_spec
         subparser: argparse.ArgumentParser = args.command_parser
-        values = resolve(subparser, [*self.options, *command.options], args, environ)
+        values = resolve(subparser, [*self.common_options, *command.options], args, environ)
         values.update({positional.name: getattr(args, positional.name) for positional in command.positionals})
+        check_tls(values, subparser.error)
         command.check(values, subparser.error)
         try:
             asyncio.run(self._execute(command, values, out, err))
@@ -378,7 +370,7 @@ class ClientProgram(Generic[C]):
         """`--flag -value` as `--flag=-value` for the text flags: argparse takes a word that
         begins with '-' for a flag, but a value may (a registration's secret is base64url, one
         in 64 begins with '-'). A word that is itself a flag is left alone."""
-        options = [*self.options, *(option for command in self.commands for option in command.options)]
+        options = [*self.common_options, *(option for command in self.commands for option in command.options)]
         names = {f"--{name}" for option in options for name in (option.flag, *option.aliases)}
         flags = names | {"-h", "--help"}
         text_flags = {

@@ -2,7 +2,8 @@
 
 * `grpc://host:port` endpoint URLs (the reference's `CLI/utils/endpoint/endpoint.go`): an IPv6 host
   goes in brackets (`grpc://[::1]:9005`); no path, query, fragment or user information. Unlike
-  the reference, port 0 (which nothing can connect to) is refused.
+  the reference, port 0 (which nothing can connect to) is refused, and `grpcs://host:port` names
+  a server reached over TLS.
 * Property strings `name=value,name2,...` (`CLI/utils/propertiesSerialization.go`): split on
   commas, then on `=`; names and values are trimmed; a bare name means an empty value; empty
   segments are skipped; a later duplicate wins; more than one `=`, or an empty name with `=`, is
@@ -23,7 +24,8 @@ from typing import TypeAlias
 from shared.api import directory_pb2
 
 GRPC_SCHEME = "grpc"
-EXPECTED_ENDPOINT = "expected grpc://<host>:<port>"
+GRPC_TLS_SCHEME = "grpcs"
+EXPECTED_ENDPOINT = "expected grpc://<host>:<port> (grpcs:// over TLS)"
 _HOSTNAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 ServiceType: TypeAlias = directory_pb2.ServiceType.ValueType
@@ -46,10 +48,11 @@ _SERVICE_TYPE_NAMES: dict[int, str] = {int(value): name for name, value in SERVI
 
 @dataclass(frozen=True)
 class GrpcEndpoint:
-    """A parsed `grpc://host:port` URL; `host` never has brackets."""
+    """A parsed `grpc://host:port` URL (`grpcs://`: `tls`); `host` never has brackets."""
 
     host: str
     port: int
+    tls: bool = False
 
     @property
     def address(self) -> str:
@@ -58,7 +61,7 @@ class GrpcEndpoint:
 
     @property
     def url(self) -> str:
-        return f"{GRPC_SCHEME}://{self.address}"
+        return f"{GRPC_TLS_SCHEME if self.tls else GRPC_SCHEME}://{self.address}"
 
     def __str__(self) -> str:
         return self.url
@@ -74,7 +77,8 @@ def _invalid(text: str, why: str) -> ValueError:
 
 
 def parse_grpc_endpoint(text: str) -> GrpcEndpoint:
-    """Parse a `grpc://host:port` URL (surrounding blanks and one trailing `/` are tolerated)."""
+    """Parse a `grpc://host:port` or `grpcs://host:port` URL (surrounding blanks and one trailing
+    `/` are tolerated)."""
     url = text.strip()
     if not url:
         raise ValueError(f"empty endpoint, {EXPECTED_ENDPOINT}")
@@ -84,7 +88,7 @@ def parse_grpc_endpoint(text: str) -> GrpcEndpoint:
     scheme = scheme.lower()
     if scheme == "cogment":
         raise _invalid(text, "cogment:// (discovery or client) endpoints cannot be used here")
-    if scheme != GRPC_SCHEME:
+    if scheme not in (GRPC_SCHEME, GRPC_TLS_SCHEME):
         raise _invalid(text, f"unexpected scheme [{scheme}]")
     rest = rest.removesuffix("/")
     for character, what in (("/", "path"), ("?", "query"), ("#", "fragment"), ("@", "user information")):
@@ -120,7 +124,7 @@ def parse_grpc_endpoint(text: str) -> GrpcEndpoint:
     port = int(port_text)
     if not 1 <= port <= 65535:
         raise _invalid(text, f"port [{port_text}] out of range 1..65535")
-    return GrpcEndpoint(host, port)
+    return GrpcEndpoint(host, port, tls=scheme == GRPC_TLS_SCHEME)
 
 
 def parse_properties(text: str) -> dict[str, str]:

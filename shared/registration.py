@@ -27,8 +27,9 @@ Behaviour:
   local address of the route to the directory if that is not loopback. When all fail, the
   reference exits; here an error is logged and the service keeps serving, unregistered.
 * TLS: with `--directory_tls_ca` the directory is reached over TLS, its certificate checked
-  against that CA bundle; `--directory_tls_cert` and `--directory_tls_key` add a client
-  certificate for a directory that requires one (mTLS). An unreadable file is logged as an error
+  against that CA bundle (a `grpcs://` endpoint without it: against the system's CAs);
+  `--directory_tls_cert` and `--directory_tls_key` add a client certificate for a directory that
+  requires one (mTLS). An unreadable file is logged as an error
   and the service keeps serving, unregistered. (The reference only spoke plaintext.)
 * `stop()` cancels a registration still in progress and deregisters every registration made, on
   one Deregister stream with a 10 s deadline (or the shorter one the caller gives); failures are
@@ -59,6 +60,7 @@ from typing import Any
 import grpc
 
 from shared.api import directory_pb2, directory_pb2_grpc
+from shared.channel import ClientTls, open_channel
 from shared.config import Option
 from shared.endpoints import (
     GrpcEndpoint,
@@ -172,22 +174,6 @@ class RegistrationSettings(Settings):
 
 
 @dataclass(frozen=True)
-class DirectoryTls:
-    """How to reach a directory over TLS: files, read when registration starts."""
-
-    ca: str
-    cert: str = ""
-    key: str = ""
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        """Raises OSError (naming the file) when one cannot be read."""
-        ca = Path(self.ca).read_bytes()
-        cert = Path(self.cert).read_bytes() if self.cert else None
-        key = Path(self.key).read_bytes() if self.key else None
-        return grpc.ssl_channel_credentials(ca, key, cert)
-
-
-@dataclass(frozen=True)
 class RegisteredService:
     """One registration the directory accepted."""
 
@@ -244,7 +230,7 @@ class DirectoryRegistration:
         properties: Mapping[str, str] | None = None,
         bind_address: str = "",
         ssl: bool = False,
-        directory_tls: DirectoryTls | None = None,
+        directory_tls: ClientTls | None = None,
         deregister_timeout_s: float = DEREGISTER_TIMEOUT_S,
         attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
         retry_max_s: float = RETRY_MAX_S,
@@ -291,7 +277,7 @@ class DirectoryRegistration:
             log.warning("ignoring the directory registration properties", properties=text, error=str(error))
             properties = {}
         directory_tls = (
-            DirectoryTls(settings.directory_tls_ca, settings.directory_tls_cert, settings.directory_tls_key)
+            ClientTls(settings.directory_tls_ca, settings.directory_tls_cert, settings.directory_tls_key)
             if settings.directory_tls_ca
             else None
         )
@@ -329,19 +315,15 @@ class DirectoryRegistration:
             ("grpc.min_reconnect_backoff_ms", int(RETRY_INITIAL_S * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(self.retry_max_s * 1000)),
         ]
-        if self.directory_tls is None:
-            self._channel = grpc.aio.insecure_channel(self.endpoint.address, options=options)
-        else:
-            try:
-                credentials = self.directory_tls.credentials()
-            except OSError as error:
-                self._log.error(
-                    "cannot read the directory TLS files: the service is not registered",
-                    file=error.filename,
-                    error=error.strerror,
-                )
-                return
-            self._channel = grpc.aio.secure_channel(self.endpoint.address, credentials, options=options)
+        try:
+            self._channel = open_channel(self.endpoint, self.directory_tls, options)
+        except OSError as error:
+            self._log.error(
+                "cannot read the directory TLS files: the service is not registered",
+                file=error.filename,
+                error=error.strerror,
+            )
+            return
         self._task = asyncio.get_running_loop().create_task(
             self._register(port), name="directory-registration"
         )

@@ -23,8 +23,8 @@ from typing import IO
 
 import pytest
 
-from services.datastore.client import main
-from services.datastore.trial_file import TrialFileError, TrialFileReader
+from services.datastore.client.cli import main
+from services.datastore.client.trial_file import TrialFileError, TrialFileReader
 from shared.api import common_pb2
 from shared.api import trial_datastore_pb2 as ds
 from shared.cli import to_json
@@ -630,6 +630,6 @@ def test_without_the_dataset_extra_only_parquet_exports_are_refused() -> None:
     exported = run("export", "t", "--format", "parquet", "--file", "dataset", "--endpoint", endpoint)
     assert exported.returncode == 1, exported
     assert exported.stderr == (
-        "Error: --format parquet needs pyarrow and numpy: pip install 'cogment-aux[dataset]' "
-        "(make install has them)\n"
+        "Error: Parquet exports (--format parquet) need pyarrow and numpy: pip install "
+        "'cogment-aux[dataset]' (make install has them)\n"
     ), exported

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from services.datastore import client, dataset
-from services.datastore.client import main
+from services.datastore.client import dataset
+from services.datastore.client.api import DatastoreClient
+from services.datastore.client.cli import main
 from shared.api import common_pb2, datalog_pb2
 from shared.api import trial_datastore_pb2 as ds
 from tests.helpers.datastore import (
@@ -147,14 +148,14 @@ async def test_trials_export_as_steps_with_late_rewards_folded_in(
     monkeypatch.setattr(dataset, "ROW_GROUP_ROWS", row_group_rows)
     monkeypatch.setattr(dataset, "ROW_GROUP_BYTES", row_group_bytes)
     read: dict[str, list[str]] = {}
-    counted_samples = client.counted_samples
+    counted_samples = DatastoreClient.samples
 
     def recorded(*args: Any) -> Any:
         [trial_id] = args[1]
         read.setdefault(trial_id, []).append("rewards" if args[2:] else "samples")
         return counted_samples(*args)
 
-    monkeypatch.setattr(client, "counted_samples", recorded)
+    monkeypatch.setattr(DatastoreClient, "samples", recorded)
     # "ended": 6 ticks, late rewards for ticks 1 and 4 (one after the last tick); "cut": the
     # stream closes before the trial ends (interrupted).
     ended = [rewarded(tick) for tick in range(3)]

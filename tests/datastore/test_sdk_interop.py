@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import pytest
 from google.protobuf import any_pb2, wrappers_pb2
 
-from services.datastore.client import main as client_main
+from services.datastore.client.cli import main as client_main
 from shared.api import common_pb2, datalog_pb2
 from shared.api import environment_pb2 as env
 from shared.api import trial_datastore_pb2 as ds

@@ -1,4 +1,4 @@
-"""The training reader (services.datastore.training) against a direct computation, on hand-built
+"""The training reader (services.datastore.client.training) against a direct computation, on hand-built
 datasets: random trials, lengths, actors, ended or not, rewards or none, shifts and n; and read
 straight from a datastore, stored and live trials."""
 
@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.datastore.dataset import STEPS_FILE, STEPS_SCHEMA
-from services.datastore.training import TrainingData, shifts_of
+from services.datastore.client.dataset import STEPS_FILE, STEPS_SCHEMA
+from services.datastore.client.training import TrainingData, shifts_of
 from shared.api import common_pb2
-from shared.cli import ClientError
+from shared.client import ClientError
 from tests.helpers.datastore import (
     datalog_inputs,
     datalog_sample,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.directory.client import PACKAGE_VERSION
+from shared.version import PACKAGE_VERSION
 from tests.helpers.services import PROJECT_ROOT, RunningService, clean_environment, start_service
 
 REGISTERED = re.compile(r"^Service ID \[(\d+)\] \tSecret \[(\S+)\]$")

@@ -445,7 +445,7 @@ def test_delete_and_unknown_models(registry: Registry, tmp_path: Path) -> None:
     source = tmp_path / "source.bin"
     source.write_bytes(b"data")
     assert fails(registry, "upload", model, str(source)) == (
-        f"Error: model [{model}] not found (use --create_model to create it)"
+        f"Error: model [{model}] not found (use --create_model, or create_model=True, to create it)"
     )
 
     registry.fake.add_model(model)

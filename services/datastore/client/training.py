@@ -31,8 +31,10 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from services.datastore.client import download_dataset
-from services.datastore.dataset import STEPS_FILE
+from services.datastore.client.dataset import STEPS_FILE
+from services.datastore.client.transfer import download_dataset
+from shared.channel import ClientTls
+from shared.client import DEFAULT_TIMEOUT_S
 
 Decoder = Callable[[bytes], Any]
 # A shift: one step (int), several (a list), or an inclusive range "a:b" (RLlib's "-3:0").
@@ -221,19 +223,21 @@ class TrainingData:
         endpoint: str,
         trial_ids: Sequence[str],
         *,
-        timeout_s: float = 30.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        tls: ClientTls | None = None,
         actor_classes: Sequence[str] = (),
         actor_names: Sequence[str] = (),
         actor_implementations: Sequence[str] = (),
         decode_observation: Decoder | None = None,
         decode_action: Decoder | None = None,
     ) -> TrainingData:
-        """`from_parquet` of these trials read from a datastore (`grpc://host:port`) through
-        RetrieveSamples: stored trials, and live ones as far as they are when the call starts.
-        Blocks until they are read (a notebook's event loop included); failures raise
-        services.datastore.client.ClientError."""
+        """`from_parquet` of these trials read from a datastore (`grpc://host:port`, or
+        `grpcs://` over TLS; `tls`: a CA bundle and a client certificate, `shared.channel.ClientTls`)
+        through RetrieveSamples: stored trials, and live ones as far as they are when the call
+        starts. Blocks until they are read (a notebook's event loop included); failures raise
+        `shared.client.ClientError`."""
         with tempfile.TemporaryDirectory(prefix="cogment-dataset-") as directory:
-            download = download_dataset(endpoint, trial_ids, Path(directory), timeout_s)
+            download = download_dataset(endpoint, trial_ids, Path(directory), timeout_s, tls)
             # Its own event loop in its own thread: the caller's thread may be running one.
             with ThreadPoolExecutor(1) as thread:
                 thread.submit(asyncio.run, download).result()

@@ -1,12 +1,13 @@
-"""`python -m services.directory.client <command> [flags]`: the reference's
-`cogment client directory register|deregister|inquire|WaitForReady`.
+"""`cogment-aux client directory <command> [flags]` (or `python -m services.directory.client`):
+the reference's `cogment client directory register|deregister|inquire|WaitForReady`, over
+`services.directory.client.api`.
 
 Flags shared by every command (before or after the command name):
 `--directory_endpoint` (`COGMENT_DIRECTORY_ENDPOINT`, default `grpc://localhost:9005`, alias
 `--endpoint`), `--directory_authentication_token` (`COGMENT_DIRECTORY_AUTHENTICATION_TOKEN`, alias
 `--auth_token`), `--timeout` (`COGMENT_CLIENT_TIMEOUT`, seconds or a Go-style duration such as
 `30s`, `1m30s`, `500ms`; default 30 s) and `--console_output` (`COGMENT_CLIENT_CONSOLE_OUTPUT`,
-`text` or `json`).
+`text` or `json`), and the TLS flags (`--tls_ca`, `--tls_cert`, `--tls_key`: `shared.cli`).
 
 `wait_for_ready` waits for the directory to be reachable until the timeout; the other commands
 fail at once when it cannot be reached (as the registry's and datastore's clients do).
@@ -19,43 +20,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from shared.api import directory_pb2, directory_pb2_grpc
+from services.directory.client.api import DEFAULT_ENDPOINT, DirectoryClient
+from shared.api import directory_pb2
 from shared.cli import (
     CONSOLE_OUTPUT_OPTION,
-    ClientError,
     ClientProgram,
     Command,
     Context,
-    ServiceClient,
     Usage,
     Values,
     endpoint_arg,
     properties_arg,
     timeout_option,
+    tls_of,
     to_json,
 )
+from shared.client import ClientError
 from shared.config import Option, parse_bool, port_number
 from shared.endpoints import (
     SERVICE_TYPES,
-    GrpcEndpoint,
     format_host,
     parse_service_type,
     service_type_name,
 )
 from shared.version import PACKAGE_VERSION
 
-DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9005)
-TOKEN_METADATA_KEY = "authentication-token"
 # Added to every registration made with this client, as the reference does.
 CLIENT_PROPERTIES = {"__registration_source": "Cogment-Command_Line", "__version": PACKAGE_VERSION}
 TYPE_NAMES = ", ".join(SERVICE_TYPES)
 MAX_UINT64 = 2**64 - 1
-# Initial and maximum delays between two connection attempts.
-RECONNECT_BACKOFF_MS = (250, 1000)
 
 
 # ---- option value parsers ----
@@ -118,67 +114,6 @@ INQUIRE_OPTIONS: list[Option] = [
     Option("type", f"{TYPE_OPTION_HELP}; default: any type", None, parse=service_type_arg),
     Option("properties", f"{PROPERTIES_HELP}; the services must have them all", None, parse=properties_arg),
 ]
-
-
-# ---- talking to the directory ----
-
-
-class DirectoryClient(ServiceClient):
-    """One directory connection; calls end within `timeout_s`."""
-
-    service = "directory"
-
-    def __init__(self, endpoint: GrpcEndpoint, token: str, timeout_s: float) -> None:
-        # Retry connecting often: waiting for a directory that is starting should end soon
-        # after it serves, not after gRPC's default backoff (which grows to 2 minutes).
-        super().__init__(
-            endpoint,
-            timeout_s,
-            [
-                ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
-            ],
-        )
-        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
-        self._stub = directory_pb2_grpc.DirectorySPStub(self.channel)
-
-    async def register(self, request: directory_pb2.RegisterRequest) -> directory_pb2.RegisterReply:
-        replies: list[directory_pb2.RegisterReply] = [
-            reply
-            async for reply in self._stub.Register(
-                iter([request]), metadata=self._metadata, timeout=self.timeout_s
-            )
-        ]
-        if not replies:
-            raise ClientError("Service registration failed [the directory sent no reply]")
-        return replies[0]
-
-    async def deregister(self, request: directory_pb2.DeregisterRequest) -> directory_pb2.DeregisterReply:
-        replies: list[directory_pb2.DeregisterReply] = [
-            reply
-            async for reply in self._stub.Deregister(
-                iter([request]), metadata=self._metadata, timeout=self.timeout_s
-            )
-        ]
-        if not replies:
-            raise ClientError("Service deregistration failed [the directory sent no reply]")
-        return replies[0]
-
-    async def inquire(
-        self, request: directory_pb2.InquireRequest, *, wait_for_ready: bool = False
-    ) -> list[directory_pb2.FullServiceData]:
-        return [
-            reply.data
-            async for reply in self._stub.Inquire(
-                request, metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=wait_for_ready
-            )
-        ]
-
-    async def wait_for_ready(self) -> None:
-        """Inquire for service id 0 (which never exists, answered at once) as soon as the
-        directory can be reached, until the timeout."""
-        await self.inquire(directory_pb2.InquireRequest(service_id=0), wait_for_ready=True)
 
 
 # ---- output ----
@@ -324,11 +259,10 @@ PROGRAM = ClientProgram(
         ),
     ],
     connect=lambda values: DirectoryClient(
-        values["directory_endpoint"], values["directory_authentication_token"], values["timeout"]
+        values["directory_endpoint"],
+        values["directory_authentication_token"],
+        values["timeout"],
+        tls_of(values),
     ),
 )
 main = PROGRAM.main
-
-
-if __name__ == "__main__":
-    sys.exit(main())

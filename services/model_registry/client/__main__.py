@@ -1,0 +1,16 @@
+"""`python -m services.model_registry.client <command> [flags]`: the command line (`cli`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from services.model_registry.client import cli
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m services.model_registry.client") -> int:
+    return cli.main(argv, prog=prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
