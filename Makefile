@@ -18,9 +18,9 @@ $(BIN)/.installed: $(BIN)/.runtime
 
 install: $(BIN)/.installed
 
-# `make run ARGS='--directory="--port 9105"'` passes flags on (see `python -m services --help`).
+# `make run ARGS='--directory="--port 9105"'` passes flags on (see `cogment-aux services all --help`).
 run: $(BIN)/.runtime
-	$(BIN)/python -m services $(ARGS)
+	$(BIN)/cogment-aux services all $(ARGS)
 
 test: install check-generated lint typecheck pytest
 
