@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from shared.channel import ClientTls
 from shared.client import DEFAULT_TIMEOUT_S, ClientError, ServiceClient
-from shared.config import Option, add_options, parse_bool, resolve
+from shared.config import HelpFormatter, Option, add_options, parse_bool, resolve
 from shared.endpoints import GrpcEndpoint, parse_grpc_endpoint, parse_properties
 
 STDIO = "-"  # as a file name: standard input or output
@@ -307,6 +307,7 @@ class ClientProgram(Generic[C]):
         parser = argparse.ArgumentParser(
             prog=prog or self.prog,
             description=self.description,
+            formatter_class=HelpFormatter,
             epilog=(
                 "Exit codes: 0 success, 1 failure, 2 invalid usage, 130 interrupted, 141 output "
                 "closed before everything was written (e.g. by `| head`)."
@@ -316,7 +317,11 @@ class ClientProgram(Generic[C]):
         commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
         for command in self.commands:
             subparser = commands.add_parser(
-                command.name, aliases=list(command.aliases), help=command.help, description=command.help
+                command.name,
+                aliases=list(command.aliases),
+                help=command.help,
+                description=command.help,
+                formatter_class=HelpFormatter,
             )
             for positional in command.positionals:
                 subparser.add_argument(
