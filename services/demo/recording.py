@@ -1,0 +1,204 @@
+"""Recording the demo's trials into a Trial Datastore as the 2.x orchestrator logs trials: one
+`DatalogSP.RunTrialDatalog` stream per trial, with the `trial-id` and `user-id` metadata, its
+messages written as they are built and its acknowledgements read as they come (the orchestrator
+reads them only to drain them; here they are counted, and a trial is recorded once each of its
+messages is acknowledged, that is committed). Several trials are recorded at once.
+
+Each write and each awaited acknowledgement must happen within the timeout: a datastore that
+holds the stream back longer (flow control) or stops acknowledging fails the recording.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.datastore.client.api import DatastoreClient, id_list
+from services.demo.orchestration import TrialCounts, TrialPlan
+from shared.api import datalog_pb2, datalog_pb2_grpc
+from shared.client import ClientError
+
+TRIAL_ID_METADATA_KEY = "trial-id"
+USER_ID_METADATA_KEY = "user-id"
+# Trial ids looked up per RetrieveTrials call before recording (the datastore takes 10,000).
+IDS_PER_LOOKUP = 1000
+
+
+@dataclass(frozen=True)
+class RecordedTrial:
+    """A trial whose every datalog message the datastore acknowledged."""
+
+    trial_id: str
+    samples: int  # out-of-sync ones included
+    ticks: int
+    late_rewards: int
+    messages: int
+
+
+def _is_tick(message: datalog_pb2.RunTrialDatalogInput) -> bool:
+    return message.WhichOneof("msg") == "sample" and not message.sample.info.out_of_sync
+
+
+# Told how many more ticks were acknowledged (a progress bar's `advance`).
+OnTicks = Callable[[int], None]
+
+
+def _ignore(_count: int) -> None:
+    pass
+
+
+class DatalogRecorder:
+    """Records trials through the datastore connection of `datastore`, as user `user_id`, pausing
+    `tick_interval_s` after each tick's sample."""
+
+    def __init__(self, datastore: DatastoreClient, user_id: str, tick_interval_s: float = 0.0) -> None:
+        self.datastore = datastore
+        self.user_id = user_id
+        self.tick_interval_s = tick_interval_s
+        self._stub = datalog_pb2_grpc.DatalogSPStub(datastore.channel)
+
+    async def check_new(self, trial_ids: Sequence[str]) -> None:
+        """A ClientError if one of `trial_ids` is stored already: its stream would add samples to
+        that trial. (The first call to the datastore: it fails at once when it cannot be reached.)"""
+        existing: list[str] = []
+        for start in range(0, len(trial_ids), IDS_PER_LOOKUP):
+            infos = await self.datastore.trial_infos(trial_ids[start : start + IDS_PER_LOOKUP])
+            existing += [
+                trial_id for trial_id in trial_ids[start : start + IDS_PER_LOOKUP] if trial_id in infos
+            ]
+        if existing:
+            shown = id_list(existing[:5]) + (f" and {len(existing) - 5} more" if len(existing) > 5 else "")
+            raise ClientError(
+                f"trials {shown} already exist in the trial datastore at {self.datastore.endpoint}: "
+                "choose another --trial_id_prefix"
+            )
+
+    async def record_all(
+        self, plans: Iterable[TrialPlan], concurrency: int, on_ticks: OnTicks = _ignore
+    ) -> list[RecordedTrial]:
+        """Record the trials, `concurrency` at once, in the order given; stops at the first
+        failure (the trials being recorded then are cut: their streams are cancelled)."""
+        pending: Iterator[TrialPlan] = iter(plans)
+        recorded: dict[str, RecordedTrial] = {}
+        order: list[str] = []
+
+        async def worker() -> None:
+            for plan in pending:  # shared: each plan goes to one worker
+                order.append(plan.trial_id)
+                recorded[plan.trial_id] = await self.record(plan, on_ticks)
+
+        workers = [asyncio.ensure_future(worker()) for _ in range(max(concurrency, 1))]
+        try:
+            done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # the first failure, if any
+            await asyncio.gather(*workers)
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        return [recorded[trial_id] for trial_id in order]
+
+    async def record(self, plan: TrialPlan, on_ticks: OnTicks = _ignore) -> RecordedTrial:
+        """Stream one trial's datalog and wait until the datastore acknowledged all of it;
+        `on_ticks(1)` is told each tick's sample acknowledged."""
+        counts = TrialCounts()
+        call = self._stub.RunTrialDatalog(
+            metadata=((TRIAL_ID_METADATA_KEY, plan.trial_id), (USER_ID_METADATA_KEY, self.user_id))
+        )
+        # Whether each message written and not yet acknowledged is a tick's sample, oldest first.
+        unacknowledged: deque[bool] = deque()
+        writer = asyncio.ensure_future(self._write(call, plan, counts, unacknowledged))
+        reader = asyncio.ensure_future(self._read_acknowledgements(call, unacknowledged, writer, on_ticks))
+        try:
+            await asyncio.wait([writer, reader], return_when=asyncio.FIRST_EXCEPTION)
+            # The datastore's own status says most: its error first, then the writer's.
+            for task in (reader, writer):
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    await task
+            written = await writer
+            acknowledged = await reader
+        except grpc.aio.AioRpcError as error:
+            what = f"recording trial [{plan.trial_id}]"
+            raise ClientError(self.datastore.describe_rpc_error(error, what)) from None
+        finally:
+            for task in (writer, reader):
+                task.cancel()
+            await asyncio.gather(writer, reader, return_exceptions=True)
+            call.cancel()
+        expected = counts.samples + 1  # the parameters, then the samples
+        if acknowledged != expected or written != expected:
+            raise ClientError(
+                f"the trial datastore at {self.datastore.endpoint} ended the datalog stream of trial "
+                f"[{plan.trial_id}] after acknowledging {acknowledged} of its {expected} messages"
+            )
+        return RecordedTrial(
+            plan.trial_id, counts.samples, counts.ticks, counts.late_rewards, counts.messages
+        )
+
+    async def _write(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        plan: TrialPlan,
+        counts: TrialCounts,
+        unacknowledged: deque[bool],
+    ) -> int:
+        """Write the trial's messages, then close the writing side; how many were written (fewer
+        than all when the datastore ended the stream first: its status says why)."""
+        written = 0
+        timeout_s = self.datastore.timeout_s
+        try:
+            for message in plan.datalog_inputs(counts):
+                tick = _is_tick(message)
+                unacknowledged.append(tick)
+                try:
+                    await asyncio.wait_for(call.write(message), timeout_s)
+                except asyncio.TimeoutError:
+                    # Flow control held the stream back: the datastore reads no further.
+                    raise ClientError(self.datastore.no_answer()) from None
+                written += 1
+                if tick and self.tick_interval_s:
+                    await asyncio.sleep(self.tick_interval_s)
+            try:
+                await asyncio.wait_for(call.done_writing(), timeout_s)
+            except asyncio.TimeoutError:
+                raise ClientError(self.datastore.no_answer()) from None
+        except asyncio.InvalidStateError:
+            pass  # the stream ended
+        return written
+
+    async def _read_acknowledgements(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        unacknowledged: deque[bool],
+        writer: asyncio.Future[int],
+        on_ticks: OnTicks,
+    ) -> int:
+        """Read acknowledgements until the datastore ends the stream; how many came. Raises the
+        stream's error, or a ClientError when one owed takes longer than the timeout (waiting
+        while none is owed, between paced ticks, is not a failure)."""
+        acknowledged = 0
+        read: asyncio.Future[object] | None = None
+        try:
+            while True:
+                if read is None:
+                    read = asyncio.ensure_future(call.read())
+                await asyncio.wait([read], timeout=self.datastore.timeout_s)
+                if not read.done():
+                    if unacknowledged or writer.done():
+                        raise ClientError(self.datastore.no_answer())
+                    continue  # none owed: the same read goes on
+                reply = read.result()
+                read = None
+                if reply is grpc.aio.EOF:
+                    return acknowledged
+                acknowledged += 1
+                if unacknowledged and unacknowledged.popleft():
+                    on_ticks(1)
+        finally:
+            if read is not None:
+                read.cancel()
