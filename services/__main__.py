@@ -3,6 +3,7 @@ run` starts). What it does, and its exit status, are in DESCRIPTION and EPILOG (
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.config import Option, parse_options
 from shared.logging import configure_logging, get_logger, logging_options
+from shared.server import SERVING_FD_ENV
 
 # Each service, and the prefix of its environment variables.
 SERVICES = {
@@ -31,7 +33,8 @@ default port (9005, 9002, 9003), on the embedded default: SQLite and local files
 ./.cogment-aux/."""
 _PREFIXES = ", ".join(f"{prefix}_*" for prefix in SERVICES.values())
 EPILOG = f"""\
-Each service also reads its own environment variables ({_PREFIXES}),
+Each service also reads its own environment variables
+({_PREFIXES}),
 listed by `python -m services.<name> --help` and in the README; the logging flags above are
 passed to every service. A service's flags go in one argument; write it with `=` when it starts
 with `--`:
@@ -57,13 +60,50 @@ log = get_logger("services")
 class Child:
     name: str
     process: subprocess.Popen[bytes]
+    # The read end of the pipe the service writes a line to once it serves (`SERVING_FD_ENV`).
+    serving_pipe: int
+    serving: bool = False
+
+    def check_serving(self) -> bool:
+        """Whether the service said it serves; never blocks. Call it once more after the process
+        ended: what it wrote before is still in the pipe."""
+        if not self.serving and self.serving_pipe >= 0:
+            try:
+                said = os.read(self.serving_pipe, 64)
+            except BlockingIOError:
+                return False  # nothing yet
+            self.serving = bool(said)
+            os.close(self.serving_pipe)  # it said so, or it closed its end: nothing more will come
+            self.serving_pipe = -1
+        return self.serving
+
+    def close(self) -> None:
+        if self.serving_pipe >= 0:
+            os.close(self.serving_pipe)
+            self.serving_pipe = -1
 
 
-def _flags_of(name: str, text: str) -> list[str]:
+def _start(name: str, command: list[str]) -> Child:
+    read_end, write_end = os.pipe()
+    try:
+        os.set_blocking(read_end, False)
+        process = subprocess.Popen(
+            command, pass_fds=(write_end,), env={**os.environ, SERVING_FD_ENV: str(write_end)}
+        )
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)  # the service holds it now: the pipe reads as closed once it exits
+    return Child(name, process, read_end)
+
+
+def _flags_of(name: str, text: str, prog: str) -> list[str]:
     try:
         return shlex.split(text)
-    except ValueError as error:
-        raise SystemExit(f"python -m services: error: --{name}: {error}") from None
+    except ValueError as error:  # a usage error, as argparse reports them
+        print(f"{prog}: error: --{name}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _signal_name(number: int) -> str:
@@ -87,7 +127,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m services") ->
     if values["log_file"]:
         logging_flags += ["--log_file", values["log_file"]]
     commands = {
-        name: [sys.executable, "-m", f"services.{name}", *logging_flags, *_flags_of(name, values[name])]
+        name: [sys.executable, "-m", f"services.{name}", *logging_flags, *_flags_of(name, values[name], prog)]
         for name in SERVICES
     }
     children: list[Child] = []
@@ -113,19 +153,24 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m services") ->
         for name, command in commands.items():
             if signals_received:
                 break
-            children.append(Child(name, subprocess.Popen(command)))
+            children.append(_start(name, command))
             log.info("started", service=name, pid=children[-1].process.pid)
         if signals_received:  # a child started while the signal was handled has not had it
             forward()
         while not signals_received:
+            for child in children:
+                child.check_serving()
             ended = next((child for child in children if child.process.poll() is not None), None)
             if ended is not None:
                 break
             time.sleep(POLL_INTERVAL_S)
         if ended is not None and not signals_received:
             returncode = ended.process.returncode
+            # One that never served failed to start: its own line (`cannot start`) said why.
             log.error(
-                "a service ended: stopping the others",
+                "a service ended: stopping the others"
+                if ended.check_serving()
+                else "a service failed to start: stopping the others",
                 service=ended.name,
                 pid=ended.process.pid,
                 exit_status=None if returncode < 0 else returncode,
@@ -138,8 +183,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m services") ->
         for child in children:
             returncode = child.process.wait()
             if child is not ended and returncode not in STOPPED_CLEANLY:
-                log.error("a service failed to stop cleanly", service=child.name, exit_status=returncode)
+                # Stopped while it was still starting, it may have failed to start all the same
+                # (its port taken by another `python -m services`): its own line said why.
+                log.error(
+                    "a service failed to stop cleanly"
+                    if child.check_serving()
+                    else "a service failed to start",
+                    service=child.name,
+                    exit_status=returncode,
+                )
                 status = status or _exit_status(returncode)
+            child.close()
     return status
 
 

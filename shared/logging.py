@@ -41,7 +41,13 @@ def logging_options() -> list[Option]:
 _log_stream: TextIO | None = None
 
 
-def configure_logging(level: str = "info", log_format: str = "text", log_file: str | None = None) -> None:
+def configure_logging(
+    level: str = "info", log_format: str = "text", log_file: str | None = None, *, service: str | None = None
+) -> None:
+    """Log at `level` in `log_format` to stderr or `log_file`. With `service`, every line of the
+    process says `service=<name>`, those of libraries logging through the standard library (alembic,
+    grpc, asyncio) included: processes sharing a stderr (`python -m services`) or a log collector
+    can then be told apart, whatever logged the line."""
     global _log_stream
     if _log_stream is not None and _log_stream is not sys.stderr:
         _log_stream.close()
@@ -53,13 +59,18 @@ def configure_logging(level: str = "info", log_format: str = "text", log_file: s
         if log_format == "json"
         else structlog.dev.ConsoleRenderer(colors=False)
     )
+    # What every line gets, before it is rendered.
+    shared_processors: list[Any] = [
+        *([_service_adder(service)] if service else []),
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+    ]
     structlog.configure(
         processors=[
             *([_drop_every_event] if level == "off" else []),
             structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
+            *shared_processors,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_STRUCTLOG_LEVELS[level]),
@@ -69,8 +80,24 @@ def configure_logging(level: str = "info", log_format: str = "text", log_file: s
         # Loggers bind their configuration on first use instead of on every call (hot path).
         cache_logger_on_first_use=True,
     )
-    # Libraries logging through the standard library (alembic, grpc) follow the same level.
-    logging.basicConfig(level=max(LEVELS[level], logging.WARNING), stream=_log_stream, force=True)
+    # Libraries logging through the standard library (alembic, grpc) follow the same level, and
+    # their lines are rendered as the others (JSON lines stay JSON).
+    handler = logging.StreamHandler(_log_stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared_processors],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    logging.basicConfig(level=max(LEVELS[level], logging.WARNING), handlers=[handler], force=True)
+
+
+def _service_adder(service: str) -> Any:
+    def add_service(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+        event.setdefault("service", service)
+        return event
+
+    return add_service
 
 
 def _drop_every_event(_logger: Any, _method: str, _event: Any) -> Any:

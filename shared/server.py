@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
 import socket
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -46,6 +47,9 @@ MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
 # dependencies; "" and each served service tell readiness.
 LIVENESS_SERVICE = "liveness"
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# Set by a supervisor to a file descriptor the service writes a line to once it serves: one that
+# exits without having written it failed to start (`python -m services` says which did).
+SERVING_FD_ENV = "COGMENT_AUX_SERVING_FD"
 SettingsT = TypeVar("SettingsT", bound=ServerSettings)
 ServiceT = TypeVar("ServiceT", bound="Service[Any]")
 
@@ -216,13 +220,17 @@ def _serve_metrics(settings: ServerSettings) -> int | None:
 
 
 async def serve(
-    service: Service[Any], stop_event: asyncio.Event | None = None, *, handle_signals: bool = True
+    service: Service[Any],
+    stop_event: asyncio.Event | None = None,
+    *,
+    handle_signals: bool = True,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
     """Run `service` until SIGTERM/SIGINT (or `stop_event`), then shut it down gracefully.
 
     Ports are bound before the service opens its storage, so a misconfiguration fails fast and
-    the `serving` line is only logged once everything listens. Start-up problems exit with
-    status 1 and one clear log line.
+    the `serving` line is only logged once everything listens (`on_serving` is called then).
+    Start-up problems exit with status 1 and one clear log line.
     """
     settings = service.settings
     dependencies = service.dependencies
@@ -316,6 +324,8 @@ async def serve(
             health_port=health_port,
             version=PACKAGE_VERSION,
         )
+        if on_serving is not None:
+            on_serving()
         if metrics_port is not None:
             log.info("serving metrics", port=metrics_port, path="/metrics")
         if service.registration is not None:
@@ -356,11 +366,32 @@ def run_service_main(
         description=service_class.description,
     )
     settings = service_class.settings_type.from_values(values)
-    configure_logging(settings.log_level, settings.log_format, settings.log_file)
+    configure_logging(settings.log_level, settings.log_format, settings.log_file, service=service_class.name)
+    on_serving = _supervisor_notifier()
     try:
         service = service_class(settings)
     except StartupError as error:
         log.error("cannot start", service=service_class.name, error=str(error))
         return 1
-    asyncio.run(serve(service))
+    asyncio.run(serve(service, on_serving=on_serving))
     return 0
+
+
+def _supervisor_notifier() -> Callable[[], None] | None:
+    """What tells the supervisor that started this process (`python -m services`) that it serves:
+    a line written to the file descriptor `SERVING_FD_ENV` names, if any. The variable is removed,
+    so that nothing this process starts inherits it."""
+    text = os.environ.pop(SERVING_FD_ENV, "")
+    try:
+        fd = int(text)
+    except ValueError:
+        return None
+
+    def notify() -> None:
+        try:
+            os.write(fd, b"serving\n")  # a few bytes into an empty pipe: never blocks
+            os.close(fd)
+        except OSError:
+            pass  # the supervisor is gone: nobody left to tell
+
+    return notify

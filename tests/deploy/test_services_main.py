@@ -132,6 +132,24 @@ def test_an_unknown_flag_is_a_usage_error(tmp_path: Path) -> None:
     assert not (tmp_path / ".cogment-aux").exists()
 
 
+def test_unreadable_service_flags_are_a_usage_error_of_the_command_used(tmp_path: Path) -> None:
+    for command, prog in (
+        (["-m", "services"], "python -m services"),
+        (["-m", "services.cli", "services", "all"], "cogment-aux services all"),
+    ):
+        result = subprocess.run(
+            [sys.executable, *command, "--directory=--port '9105"],
+            cwd=tmp_path,
+            env=clean_environment(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert result.returncode == 2
+        assert result.stderr == f"{prog}: error: --directory: No closing quotation\n"
+        assert not (tmp_path / ".cogment-aux").exists()
+
+
 def test_flags_reach_their_service_and_sigterm_stops_all_with_status_0(tmp_path: Path) -> None:
     port = free_port()
     with supervisor(tmp_path, f"--directory=--port {port} --registration_lag 0") as running:
@@ -167,9 +185,56 @@ def test_a_service_that_cannot_start_stops_the_others_with_its_status(tmp_path: 
     with supervisor(tmp_path, "--datastore=--database_url mysql://nowhere/x") as running:
         pids = running.children()
         assert running.process.wait(30) == 1
-        [ended] = running.wait_for("a service ended: stopping the others", 1)
+        [ended] = running.wait_for("a service failed to start: stopping the others", 1)
         assert (ended["service"], ended["exit_status"]) == ("datastore", 1)
+        [why] = [line for line in running.lines() if line.get("event") == "cannot start"]
+        assert why["service"] == "datastore" and "unsupported database URL" in why["error"]
         assert _alive(list(pids.values())) == []
+
+
+def test_a_second_supervisor_on_taken_ports_says_its_services_failed_to_start(tmp_path: Path) -> None:
+    """Each service of the second one fails to start, or is stopped while starting: none is said
+    to have failed to stop, and each one said to have failed to start said why itself."""
+    ports = {name: free_port() for name in SERVICES}
+    flags = [f"--{name}=--port {port}" for name, port in ports.items()]
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    with supervisor(first_dir, *flags) as first:
+        first.wait_for("serving", len(SERVICES))
+        with supervisor(second_dir, *flags) as second:
+            assert second.process.wait(30) == 1
+            lines = second.lines()
+        events = [line["event"] for line in lines]
+        assert "a service failed to stop cleanly" not in events
+        [ended] = [
+            line for line in lines if line["event"] == "a service failed to start: stopping the others"
+        ]
+        failed = {ended["service"]} | {
+            line["service"] for line in lines if line["event"] == "a service failed to start"
+        }
+        reasons = {line["service"]: line["error"] for line in lines if line["event"] == "cannot start"}
+        assert failed <= reasons.keys()
+        assert all("Address already in use" in reasons[name] for name in failed), reasons
+        # The first one serves on, untouched.
+        assert first.process.poll() is None
+        assert not [line for line in first.lines() if line["level"] == "error"]
+
+
+def test_every_line_of_a_service_names_it(tmp_path: Path) -> None:
+    """Up to `serving` (and after): start-up lines too, so that lines on one stderr can be told apart."""
+    with supervisor(tmp_path, "--log_level", "debug") as running:
+        running.wait_for("serving", len(SERVICES))
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(30) == 0
+        lines = running.lines()
+    raw = [text for text in running.log_path.read_text().splitlines() if text.strip()]
+    assert len(raw) == len(lines)  # every line is JSON, library lines included
+    assert all(line.get("service") in SERVICES for line in lines), [
+        line for line in lines if line.get("service") not in SERVICES
+    ]
+    for name in SERVICES:
+        assert {"serving", "stopped"} <= {line["event"] for line in lines if line["service"] == name}
 
 
 def test_the_environment_prefixes_are_the_services_own() -> None:
