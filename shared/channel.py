@@ -4,6 +4,8 @@ self-registration in a directory."""
 
 from __future__ import annotations
 
+import errno
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +13,14 @@ from pathlib import Path
 import grpc
 
 from shared.endpoints import GrpcEndpoint
+
+
+class TlsFileError(OSError):
+    """A TLS file that was read but cannot be used: not PEM, or a key that is not the
+    certificate's. `strerror` is the whole sentence, naming the file (`filename`)."""
+
+    def __init__(self, filename: str, message: str) -> None:
+        super().__init__(errno.EINVAL, message, filename)
 
 
 @dataclass(frozen=True)
@@ -28,11 +38,35 @@ class ClientTls:
             raise ValueError("a client certificate needs its key, and a key its certificate")
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """Raises OSError (naming the file) when one cannot be read."""
+        """Raises OSError (naming the file) when one cannot be read, TlsFileError when one
+        cannot be used."""
         ca = Path(self.ca).read_bytes() if self.ca else None
         cert = Path(self.cert).read_bytes() if self.cert else None
         key = Path(self.key).read_bytes() if self.key else None
+        self.check()
         return grpc.ssl_channel_credentials(ca, key, cert)
+
+    def check(self) -> None:
+        """Raise a TlsFileError naming the file that is not PEM, or the key that is not the
+        certificate's: grpc would accept them, then fail every connection with "Failed to create
+        security handshaker" after printing its own log lines."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        if self.ca:
+            try:
+                context.load_verify_locations(self.ca)
+            except ssl.SSLError:
+                raise TlsFileError(self.ca, f"[{self.ca}] is not a PEM CA bundle") from None
+        if self.cert:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(self.cert)
+            except ssl.SSLError:
+                raise TlsFileError(self.cert, f"[{self.cert}] is not a PEM certificate") from None
+            try:
+                context.load_cert_chain(self.cert, self.key)
+            except ssl.SSLError:
+                raise TlsFileError(
+                    self.key, f"[{self.key}] is not the PEM private key of the certificate [{self.cert}]"
+                ) from None
 
 
 def tls_for(endpoint: GrpcEndpoint, tls: ClientTls | None) -> ClientTls | None:

@@ -10,7 +10,7 @@ from typing import ClassVar, TypeVar
 
 import grpc
 
-from shared.channel import ClientTls, open_channel, tls_for
+from shared.channel import ClientTls, TlsFileError, open_channel, tls_for
 from shared.endpoints import GrpcEndpoint, parse_grpc_endpoint
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -59,12 +59,14 @@ class ServiceClient:
         tls: ClientTls | None,
         channel_options: Sequence[tuple[str, int]] = (),
     ) -> None:
-        """Raises ClientError for an invalid endpoint URL or TLS files that cannot be read."""
+        """Raises ClientError for an invalid endpoint URL or TLS files that cannot be read or used."""
         self.endpoint = endpoint_of(endpoint)
         self.timeout_s = timeout_s
         self.tls = tls_for(self.endpoint, tls)
         try:
             self.channel = open_channel(self.endpoint, self.tls, channel_options)
+        except TlsFileError as error:
+            raise ClientError(error.strerror) from None
         except OSError as error:
             raise ClientError(f"cannot read [{error.filename}]: {error.strerror or error}") from None
 

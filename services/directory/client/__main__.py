@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
+
+# Read by grpc when it is first imported: its core's own log lines (a failed TLS handshake, at
+# info level) would come above the one line the client prints for each failure, saying more.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from services.directory.client import cli
 
