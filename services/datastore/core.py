@@ -19,7 +19,7 @@ from typing import TypeVar
 from services.datastore.batcher import SampleBatcher, TrialMissing
 from services.datastore.conversion import DatalogConverter
 from services.datastore.leases import IngestionLeases
-from services.datastore.model import ENDED, NO_STATE, TrialRecord
+from services.datastore.model import ENDED, NO_STATE, TrialRecord, TrialStatus
 from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
@@ -33,6 +33,7 @@ from shared.supervision import cancel_and_wait
 from shared.validation import (
     MAX_INT64_POSITION,
     MAX_TRIAL_PARAMS_BYTES,
+    MiB,
     checked_id,
     checked_list,
     checked_name_size,
@@ -41,6 +42,7 @@ from shared.validation import (
     checked_text,
     parse_handle,
     quoted,
+    utf8_size,
 )
 
 # Samples read per query while replaying: at most READ_BATCH rows, and about `read_batch_bytes`
@@ -50,6 +52,9 @@ DEFAULT_READ_BATCH_BYTES = 8 * 1024 * 1024
 # The user id of trials ingested without a `user-id` header (the reference's constant).
 DEFAULT_DATALOG_USER_ID = "log exporter server"
 KNOWN_STATES = frozenset(common_pb2.TrialState.values())
+# The ids of one status request, together: their statuses (an id and about 30 bytes each, for
+# MAX_LISTED_ITEMS ids at most) then fit the 4 MiB reply clients accept.
+MAX_STATUS_IDS_BYTES = 3 * MiB
 
 log = get_logger("datastore.core")
 R = TypeVar("R")
@@ -293,6 +298,19 @@ class TrialDatastore:
                 if timeout_ms == 0 or left <= 0:
                     return found, str(end)
                 await watch.wait(left)
+
+    async def trial_statuses(self, trial_ids: Sequence[str]) -> list[TrialStatus]:
+        """The statuses of the trials that exist among `trial_ids`, in request order, once each."""
+        checked_list(trial_ids, "trial_ids")
+        checked_size(
+            sum(utf8_size(trial_id) for trial_id in trial_ids),
+            "trial ids bytes",
+            MAX_STATUS_IDS_BYTES,
+            "MAX_STATUS_IDS_BYTES",
+        )
+        wanted_ids = list(dict.fromkeys(trial_ids))
+        found = await self.store.trial_statuses(wanted_ids)
+        return [found[trial_id] for trial_id in wanted_ids if trial_id in found]
 
     # ---- ingestion ----
 

@@ -37,6 +37,23 @@ class TrialProgress:
 
 
 @dataclass(frozen=True)
+class TrialStatus:
+    """Where a trial stands, beyond what the Cogment wire can say (`last_state` only)."""
+
+    trial_id: str
+    samples_count: int
+    last_state: int
+    ended: bool
+    closed: bool
+
+    @property
+    def interrupted(self) -> bool:
+        """Its ingestion closed before an ENDED sample: it will not end by itself (the wire still
+        lists it with its last sample's state, RUNNING usually)."""
+        return self.closed and not self.ended
+
+
+@dataclass(frozen=True)
 class SampleAppend:
     """Samples of one trial to store after its current ones, and what they change in the trial."""
 

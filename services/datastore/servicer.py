@@ -1,4 +1,5 @@
-"""The Trial Datastore's gRPC layer: TrialDatastoreSP and the two datalog ingestion services.
+"""The Trial Datastore's gRPC layer: TrialDatastoreSP, the two datalog ingestion services, and the
+project's own TrialStatusSP (what the Cogment wire cannot say of a trial).
 
 `DatalogSP` (bidirectional, what the 2.x orchestrator calls) and `LogExporterSP` (client stream,
 the API reference's name) share one ingestion: the first message holds the trial parameters, the
@@ -16,8 +17,8 @@ from typing import Any
 import grpc
 
 from services.datastore.core import Ingestion, TrialDatastore
-from services.datastore.model import TrialRecord
-from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
+from services.datastore.model import TrialRecord, TrialStatus
+from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2, trial_status_pb2
 from shared.errors import InvalidArgument
 from shared.handlers import add_servicer, field_one_frame, pre_encoded
 from shared.runtime import ServiceRuntime, VersionStatusMixin
@@ -56,6 +57,17 @@ def trial_info_message(record: TrialRecord) -> trial_datastore_pb2.StoredTrialIn
     )
 
 
+def trial_status_message(status: TrialStatus) -> trial_status_pb2.TrialStatus:
+    return trial_status_pb2.TrialStatus(
+        trial_id=status.trial_id,
+        ended=status.ended,
+        closed=status.closed,
+        interrupted=status.interrupted,
+        samples_count=status.samples_count,
+        last_state=status.last_state,  # type: ignore[arg-type]
+    )
+
+
 def trial_info_size(record: TrialRecord) -> int:
     """The encoded size of `trial_info_message(record)`, at most, without parsing its parameters:
     they are re-encoded as stored (the tags, lengths and numbers take 32 bytes at most)."""
@@ -82,6 +94,11 @@ def add_datastore_servicers(
         trial_datastore_pb2.DESCRIPTOR.services_by_name["TrialDatastoreSP"],
         TrialDatastoreServicer(datastore, runtime),
         response_serializers={"RetrieveSamples": pre_encoded},
+    )
+    add_servicer(
+        server,
+        trial_status_pb2.DESCRIPTOR.services_by_name["TrialStatusSP"],
+        TrialStatusServicer(datastore),
     )
     ingestion = DatalogIngestion(datastore)
     add_servicer(
@@ -146,6 +163,22 @@ class TrialDatastoreServicer(VersionStatusMixin):
     ) -> trial_datastore_pb2.DeleteTrialsReply:
         await self.datastore.delete_trials(list(request.trial_ids))
         return trial_datastore_pb2.DeleteTrialsReply()
+
+
+class TrialStatusServicer:
+    """The project's own extension (`cogment_aux.api.TrialStatusSP`): what the Cogment wire cannot
+    say of a trial, an interrupted one above all (see `trial_status.proto`)."""
+
+    def __init__(self, datastore: TrialDatastore) -> None:
+        self.datastore = datastore
+
+    async def RetrieveTrialStatuses(
+        self, request: trial_status_pb2.RetrieveTrialStatusesRequest, context: Any
+    ) -> trial_status_pb2.RetrieveTrialStatusesReply:
+        statuses = await self.datastore.trial_statuses(list(request.trial_ids))
+        return trial_status_pb2.RetrieveTrialStatusesReply(
+            statuses=[trial_status_message(status) for status in statuses]
+        )
 
 
 class DatalogIngestion:

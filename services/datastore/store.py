@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from services.datastore.model import SampleAppend, TrialProgress, TrialRecord
+from services.datastore.model import SampleAppend, TrialProgress, TrialRecord, TrialStatus
 from shared import property_match
 from shared.db import Database, Transaction, in_batches
 from shared.digest import pair_digest, sha256_hex
@@ -71,6 +71,10 @@ def _trial_record(row: Sequence[Any]) -> TrialRecord:
 
 # Hot statements, built once.
 _GET_TRIALS = select(*_TRIAL_COLUMNS).where(trials.c.trial_key.in_(bindparam("keys", expanding=True)))
+# What a status needs, without the parameters (up to 1 MiB a trial).
+_GET_STATUSES = select(
+    trials.c.trial_id, trials.c.samples_count, trials.c.last_state, trials.c.ended, trials.c.closed
+).where(trials.c.trial_key.in_(bindparam("keys", expanding=True)))
 _PROGRESS = select(trials.c.samples_count, trials.c.ended, trials.c.closed).where(
     trials.c.trial_seq == bindparam("seq")
 )
@@ -234,6 +238,16 @@ class DatastoreStore:
             for row in rows:
                 record = _trial_record(row)
                 found[record.trial_id] = record
+        return found
+
+    async def trial_statuses(self, trial_ids: Sequence[str]) -> dict[str, TrialStatus]:
+        """The statuses of the trials that exist among `trial_ids`, by id: one query per
+        IN_LIST_BATCH ids."""
+        found: dict[str, TrialStatus] = {}
+        keys = list(dict.fromkeys(trial_key(trial_id) for trial_id in trial_ids))
+        for batch in in_batches(keys):
+            for trial_id, count, state, ended, closed in await self.db.fetch(_GET_STATUSES, {"keys": batch}):
+                found[trial_id] = TrialStatus(trial_id, int(count), int(state), bool(ended), bool(closed))
         return found
 
     async def last_trial_seq(self) -> int:

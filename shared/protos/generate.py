@@ -37,15 +37,30 @@ class ProtoSet:
     root: Path  # the include root the files are named from
     folder: str  # where the protos are, under `root`
     output: Path
+    # The Python package of `output`, when the set's modules import each other (a service's
+    # `_grpc` module imports its messages): protoc names them after `folder`, a package that does
+    # not exist, and those imports are rewritten to this one.
+    package: str | None = None
 
     @property
     def protos(self) -> list[Path]:
         return sorted((self.root / self.folder).glob("*.proto"))
 
+    def rewrite_own_imports(self, text: str) -> str:
+        if self.package is None:
+            return text
+        # Only module names (`from <folder> import x_pb2`, `<folder>.x_pb2`): the same dotted name
+        # also starts the set's proto names (method paths, the serialized descriptors).
+        dotted = re.escape(self.folder.replace("/", "."))
+        return re.sub(rf"\b{dotted}(?=\.\w+_pb2\b| import )", self.package, text)
+
 
 PROTO_SETS = [
     # The Cogment API, under the reference's file names.
     ProtoSet(PROTO_ROOT, "cogment/api", PROTO_ROOT.parent / "api"),
+    # The project's own services (package `cogment_aux.api`), generated beside the Cogment API's
+    # modules they import.
+    ProtoSet(PROTO_ROOT, "cogment_aux/api", PROTO_ROOT.parent / "api", package="shared.api"),
     # The messages of the demo's trials (`cogment-aux demo`), which training code decodes.
     ProtoSet(PROJECT_ROOT / "services/demo/protos", "cogment_aux_demo", PROJECT_ROOT / "services/demo/api"),
 ]
@@ -82,7 +97,7 @@ def generate_into(proto_set: ProtoSet, target: Path) -> None:
         target.mkdir(parents=True, exist_ok=True)
         for produced in sorted((Path(raw_dir) / proto_set.folder).iterdir()):
             if produced.name.endswith(GENERATED_SUFFIXES):
-                text = IMPORT_PATTERN.sub("shared.api", produced.read_text())
+                text = proto_set.rewrite_own_imports(IMPORT_PATTERN.sub("shared.api", produced.read_text()))
                 (target / produced.name).write_text(text)
 
 
