@@ -4,8 +4,10 @@ messages written as they are built and its acknowledgements read as they come (t
 reads them only to drain them; here they are counted, and a trial is recorded once each of its
 messages is acknowledged, that is committed). Several trials are recorded at once.
 
-Each write and each awaited acknowledgement must happen within the timeout: a datastore that
-holds the stream back longer (flow control) or stops acknowledging fails the recording.
+A stream must make progress within the timeout while it waits for the datastore (a write held
+back by flow control, an acknowledgement owed, the end of the stream): a datastore that stops
+reading or acknowledging for longer fails the recording. One watchdog per stream checks it, so
+that a write or a read costs no timer of its own (each sample takes two of them).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -37,6 +40,23 @@ class RecordedTrial:
     ticks: int
     late_rewards: int
     messages: int
+
+
+@dataclass
+class _StreamState:
+    """Where a trial's datalog stream is, shared by its writer, its reader and its watchdog."""
+
+    last_progress: float  # the event loop's time of the last write or acknowledgement
+    # Whether each message written and not yet acknowledged is a tick's sample, oldest first.
+    unacknowledged: deque[bool] = field(default_factory=deque)
+    writing: bool = False  # a write waits for the datastore (flow control)
+    finished_writing: bool = False  # the stream's end is owed
+    stalled: bool = False  # the watchdog ended the stream
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the datastore owes the stream something."""
+        return self.writing or bool(self.unacknowledged) or self.finished_writing
 
 
 def _is_tick(message: datalog_pb2.RunTrialDatalogInput) -> bool:
@@ -110,12 +130,14 @@ class DatalogRecorder:
         call = self._stub.RunTrialDatalog(
             metadata=((TRIAL_ID_METADATA_KEY, plan.trial_id), (USER_ID_METADATA_KEY, self.user_id))
         )
-        # Whether each message written and not yet acknowledged is a tick's sample, oldest first.
-        unacknowledged: deque[bool] = deque()
-        writer = asyncio.ensure_future(self._write(call, plan, counts, unacknowledged))
-        reader = asyncio.ensure_future(self._read_acknowledgements(call, unacknowledged, writer, on_ticks))
+        state = _StreamState(asyncio.get_running_loop().time())
+        writer = asyncio.ensure_future(self._write(call, plan, counts, state))
+        reader = asyncio.ensure_future(self._read_acknowledgements(call, state, on_ticks))
+        watchdog = asyncio.ensure_future(self._watch(call, state))
         try:
             await asyncio.wait([writer, reader], return_when=asyncio.FIRST_EXCEPTION)
+            if state.stalled:
+                raise ClientError(self.datastore.no_answer())
             # The datastore's own status says most: its error first, then the writer's.
             for task in (reader, writer):
                 if task.done() and not task.cancelled() and task.exception() is not None:
@@ -126,9 +148,10 @@ class DatalogRecorder:
             what = f"recording trial [{plan.trial_id}]"
             raise ClientError(self.datastore.describe_rpc_error(error, what)) from None
         finally:
-            for task in (writer, reader):
-                task.cancel()
-            await asyncio.gather(writer, reader, return_exceptions=True)
+            tasks: list[asyncio.Future[Any]] = [writer, reader, watchdog]
+            for stopped in tasks:
+                stopped.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             call.cancel()
         expected = counts.samples + 1  # the parameters, then the samples
         if acknowledged != expected or written != expected:
@@ -141,64 +164,53 @@ class DatalogRecorder:
         )
 
     async def _write(
-        self,
-        call: grpc.aio.StreamStreamCall,
-        plan: TrialPlan,
-        counts: TrialCounts,
-        unacknowledged: deque[bool],
+        self, call: grpc.aio.StreamStreamCall, plan: TrialPlan, counts: TrialCounts, state: _StreamState
     ) -> int:
         """Write the trial's messages, then close the writing side; how many were written (fewer
         than all when the datastore ended the stream first: its status says why)."""
+        loop = asyncio.get_running_loop()
         written = 0
-        timeout_s = self.datastore.timeout_s
         try:
             for message in plan.datalog_inputs(counts):
                 tick = _is_tick(message)
-                unacknowledged.append(tick)
-                try:
-                    await asyncio.wait_for(call.write(message), timeout_s)
-                except asyncio.TimeoutError:
-                    # Flow control held the stream back: the datastore reads no further.
-                    raise ClientError(self.datastore.no_answer()) from None
+                state.unacknowledged.append(tick)
+                state.writing = True
+                state.last_progress = loop.time()
+                await call.write(message)
+                state.writing = False
+                state.last_progress = loop.time()
                 written += 1
                 if tick and self.tick_interval_s:
                     await asyncio.sleep(self.tick_interval_s)
-            try:
-                await asyncio.wait_for(call.done_writing(), timeout_s)
-            except asyncio.TimeoutError:
-                raise ClientError(self.datastore.no_answer()) from None
+            state.finished_writing = True
+            state.last_progress = loop.time()
+            await call.done_writing()
         except asyncio.InvalidStateError:
             pass  # the stream ended
         return written
 
     async def _read_acknowledgements(
-        self,
-        call: grpc.aio.StreamStreamCall,
-        unacknowledged: deque[bool],
-        writer: asyncio.Future[int],
-        on_ticks: OnTicks,
+        self, call: grpc.aio.StreamStreamCall, state: _StreamState, on_ticks: OnTicks
     ) -> int:
-        """Read acknowledgements until the datastore ends the stream; how many came. Raises the
-        stream's error, or a ClientError when one owed takes longer than the timeout (waiting
-        while none is owed, between paced ticks, is not a failure)."""
+        """Read acknowledgements until the datastore ends the stream; how many came (raises the
+        stream's error)."""
+        loop = asyncio.get_running_loop()
         acknowledged = 0
-        read: asyncio.Future[object] | None = None
-        try:
-            while True:
-                if read is None:
-                    read = asyncio.ensure_future(call.read())
-                await asyncio.wait([read], timeout=self.datastore.timeout_s)
-                if not read.done():
-                    if unacknowledged or writer.done():
-                        raise ClientError(self.datastore.no_answer())
-                    continue  # none owed: the same read goes on
-                reply = read.result()
-                read = None
-                if reply is grpc.aio.EOF:
-                    return acknowledged
-                acknowledged += 1
-                if unacknowledged and unacknowledged.popleft():
-                    on_ticks(1)
-        finally:
-            if read is not None:
-                read.cancel()
+        while await call.read() is not grpc.aio.EOF:
+            acknowledged += 1
+            state.last_progress = loop.time()
+            if state.unacknowledged and state.unacknowledged.popleft():
+                on_ticks(1)
+        return acknowledged
+
+    async def _watch(self, call: grpc.aio.StreamStreamCall, state: _StreamState) -> None:
+        """End the stream once the datastore has owed it something for longer than the timeout
+        (waiting while nothing is owed, between paced ticks, is not a failure)."""
+        loop = asyncio.get_running_loop()
+        timeout_s = self.datastore.timeout_s
+        while True:
+            await asyncio.sleep(timeout_s / 4)
+            if state.waiting and loop.time() - state.last_progress > timeout_s:
+                state.stalled = True
+                call.cancel()
+                return
