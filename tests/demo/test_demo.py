@@ -26,6 +26,8 @@ from shared.api import common_pb2, directory_pb2, model_registry_pb2
 from shared.api import trial_datastore_pb2 as ds
 from tests.demo.helpers import Suite, python_module, run_command, run_demo
 from tests.helpers.fake_services import free_port
+from tests.helpers.running import make_datastore_factory
+from tests.helpers.tls import make_pki, openssl_available
 
 USER = "the-demo-user"
 
@@ -304,3 +306,27 @@ async def test_the_installed_command_and_its_text_output(suite: Suite, tmp_path:
         )
         assert listed.returncode == 0, (suggested, listed.stderr)
     assert (tmp_path / "demo-dataset" / "steps.parquet").exists()
+
+
+async def test_tls_flags_reach_a_datastore_serving_tls(tmp_path: Path) -> None:
+    if not openssl_available():
+        pytest.skip("openssl is needed to make certificates")
+    pki = make_pki(tmp_path / "pki")
+    database = f"sqlite+aiosqlite:///{tmp_path / 'tls.db'}"
+    tls = ["--tls_cert", str(pki.server.cert), "--tls_key", str(pki.server.key)]
+    async with make_datastore_factory(database)(*tls) as datastore:
+        port = datastore.service.port
+        skipped = ["--model_registry_endpoint", "", "--directory_endpoint", ""]
+        flags = [*skipped, "--trials", "1", "--ticks", "4", "--console_output", "json"]
+        # `localhost`: the name the server's certificate holds.
+        secure = ["--trial_datastore_endpoint", f"grpcs://localhost:{port}", "--tls_ca", str(pki.ca)]
+        out, err = io.StringIO(), io.StringIO()
+        assert await asyncio.to_thread(main, [*secure, *flags], "demo", {}, out, err) == 0, err.getvalue()
+        assert '"ticks": 4' in out.getvalue()
+        # Plaintext against it: one line, saying what to change.
+        out, err = io.StringIO(), io.StringIO()
+        plain = ["--trial_datastore_endpoint", f"grpc://localhost:{port}"]
+        assert await asyncio.to_thread(main, [*plain, *flags], "demo", {}, out, err) == 1
+        (line,) = err.getvalue().splitlines()
+        assert line.startswith(f"Error: cannot reach the trial datastore at grpc://localhost:{port} (")
+        assert "--tls_ca" in line
