@@ -62,7 +62,12 @@ PROTO_SETS = [
     # modules they import.
     ProtoSet(PROTO_ROOT, "cogment_aux/api", PROTO_ROOT.parent / "api", package="shared.api"),
     # The messages of the demo's trials (`cogment-aux demo`), which training code decodes.
-    ProtoSet(PROJECT_ROOT / "services/demo/protos", "cogment_aux_demo", PROJECT_ROOT / "services/demo/api"),
+    ProtoSet(
+        PROJECT_ROOT / "services/demo/protos",
+        "cogment_aux_demo",
+        PROJECT_ROOT / "services/demo/api",
+        package="services.demo.api",
+    ),
 ]
 
 
