@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import grpc
 import pytest
 
 from services.datastore.client.cli import main
@@ -283,11 +284,67 @@ async def test_list_filters_on_properties(datastore: RunningDatastore) -> None:
 
 
 async def test_list_json_is_the_reply(datastore: RunningDatastore) -> None:
+    """The reply, each trial saying whether it was interrupted (t1's stream closed before it ended)."""
     await three_trials(datastore)
-    reply = json.loads(await ok(datastore, "list", "--console_output", "json", "--count", "2"))
-    assert reply == to_json(await list_trials(datastore, trials_count=2))
-    assert [info["trial_id"] for info in reply["trial_infos"]] == ["t0", "t1"]
+    reply = json.loads(await ok(datastore, "list", "--console_output", "json", "--count", "3"))
+    expected = to_json(await list_trials(datastore, trials_count=3))
+    for info, interrupted in zip(expected["trial_infos"], [False, True, False], strict=True):
+        info["interrupted"] = interrupted
+    assert reply == expected
+    assert [info["trial_id"] for info in reply["trial_infos"]] == ["t0", "t1", "empty"]
     assert reply["trial_infos"][0]["last_state"] == "ENDED" and reply["trial_infos"][0]["samples_count"] == 20
+    assert reply["trial_infos"][1]["last_state"] == "RUNNING"  # the wire's state, as the reference's
+
+
+async def test_list_shows_interrupted_trials(datastore: RunningDatastore) -> None:
+    await three_trials(datastore)
+    live = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
+    await send_acknowledged(live, datalog_inputs(trial_params(), [datalog_sample(0)]))
+    rows = {line.split()[0]: line.split() for line in (await ok(datastore, "list")).splitlines()[1:-1]}
+    assert {trial_id: row[2] for trial_id, row in rows.items()} == {
+        "t0": "ENDED",
+        "t1": "INTERRUPTED",
+        "empty": "UNKNOWN",
+        "live": "RUNNING",  # its stream is open
+    }
+    await live.done_writing()
+    assert await live.read() == grpc.aio.EOF
+    rows = {line.split()[0]: line.split() for line in (await ok(datastore, "list")).splitlines()[1:-1]}
+    assert rows["live"][2] == "INTERRUPTED"
+
+
+async def test_list_against_a_datastore_without_trial_statuses_shows_the_wire_state() -> None:
+    """The reference datastore has no TrialStatusSP: the listing falls back to the wire's state,
+    without a word."""
+    info = ds.StoredTrialInfo(trial_id="t", user_id="u", last_state=common_pb2.RUNNING, samples_count=2)
+
+    async def retrieve_trials(request: ds.RetrieveTrialsRequest, context: object) -> ds.RetrieveTrialsReply:
+        return ds.RetrieveTrialsReply(trial_infos=[info], next_trial_handle="1")
+
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(
+        retrieve_trials,
+        request_deserializer=ds.RetrieveTrialsRequest.FromString,
+        response_serializer=ds.RetrieveTrialsReply.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("cogmentAPI.TrialDatastoreSP", {"RetrieveTrials": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        for output in ("text", "json"):
+            out, err = io.StringIO(), io.StringIO()
+            argv = ["list", "--endpoint", f"grpc://127.0.0.1:{port}", "--console_output", output]
+            code = await asyncio.to_thread(main, argv, {}, out, err)
+            assert (code, err.getvalue()) == (0, "")
+            if output == "text":
+                assert out.getvalue().splitlines()[1].split()[:3] == ["t", "u", "RUNNING"]
+            else:
+                [listed] = json.loads(out.getvalue())["trial_infos"]
+                assert (listed["last_state"], listed["interrupted"]) == ("RUNNING", False)
+    finally:
+        await server.stop(None)
 
 
 async def test_list_usage_errors(datastore: RunningDatastore, capsys: pytest.CaptureFixture[str]) -> None:

@@ -186,9 +186,13 @@ async def test_trials_export_as_steps_with_late_rewards_folded_in(
     assert [row["is_terminal"] for row in rows if row["is_last"]] == [True] * 3 + [False] * 3
 
     trials = pq.read_table(target / "trials.parquet").to_pylist()
-    assert [(t["trial_id"], t["state"], t["ended"], t["samples"], t["ticks"]) for t in trials] == [
-        ("ended", "ENDED", True, 8, 6),
-        ("cut", "RUNNING", False, 4, 4),
+    # "cut" is interrupted: its stream closed before it ended, though its last state is RUNNING.
+    summaries = [
+        (t["trial_id"], t["state"], t["ended"], t["interrupted"], t["samples"], t["ticks"]) for t in trials
+    ]
+    assert summaries == [
+        ("ended", "ENDED", True, False, 8, 6),
+        ("cut", "RUNNING", False, True, 4, 4),
     ]
     assert trials[0]["properties"] == [("kind", "demo")]
     assert [a["name"] for a in trials[0]["actors"]] == [name for name, _, _ in ACTORS]
@@ -209,6 +213,9 @@ async def test_a_live_trial_is_cut_where_the_export_started(
     rows = pq.read_table(target / "steps.parquet").to_pylist()
     assert sorted({row["tick_id"] for row in rows}) == [0, 1, 2, 3, 4]
     assert [row["is_terminal"] for row in rows if row["is_last"]] == [False] * len(ACTORS)
+    # Cut, not interrupted: its stream was still open.
+    [trial] = pq.read_table(target / "trials.parquet").to_pylist()
+    assert (trial["ended"], trial["interrupted"]) == (False, False)
 
 
 async def test_a_failed_export_leaves_no_files(datastore: RunningDatastore, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ of trials are `services.datastore.client.transfer`, training batches `training`)
         async for sample in datastore.read_samples(["trial-1"]):  # its samples stored so far
             ...
         deleted = await datastore.delete_trials(["trial-1"])
+        interrupted = await datastore.interrupted_trials(["trial-1"])  # {"trial-1"} if it was
 
 Failures are `ClientError`s or `grpc.aio.AioRpcError`s (`describe_rpc_error` says them in a
 sentence).
@@ -18,7 +19,7 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 
 import grpc
 
-from shared.api import trial_datastore_pb2, trial_datastore_pb2_grpc
+from shared.api import trial_datastore_pb2, trial_datastore_pb2_grpc, trial_status_pb2, trial_status_pb2_grpc
 from shared.channel import ClientTls
 from shared.client import DEFAULT_TIMEOUT_S, ClientError, ServiceClient
 from shared.endpoints import GrpcEndpoint
@@ -27,6 +28,10 @@ DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9003)
 TRIAL_ID_METADATA_KEY = "trial-id"
 # Trial ids per RetrieveTrials call when looking trials up by id (as the reference).
 TRIALS_PER_LOOKUP = 20
+# Trial ids per RetrieveTrialStatuses call, and their bytes together: well under what the
+# datastore accepts in one (10,000 ids, 3 MiB).
+STATUSES_PER_CALL = 1000
+STATUS_IDS_BYTES_PER_CALL = 1024 * 1024
 # Stored samples can exceed gRPC's 4 MiB default (the datastore expands rewards and payloads).
 MAX_RECEIVE_MESSAGE_BYTES = -1
 
@@ -53,6 +58,8 @@ class DatastoreClient(ServiceClient):
             endpoint, timeout_s, tls, [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
         )
         self.stub = trial_datastore_pb2_grpc.TrialDatastoreSPStub(self.channel)
+        # The project's own extension (absent from the reference datastore).
+        self.status_stub = trial_status_pb2_grpc.TrialStatusSPStub(self.channel)
 
     async def trial_infos(self, trial_ids: Sequence[str]) -> dict[str, trial_datastore_pb2.StoredTrialInfo]:
         """The stored trials among `trial_ids`, by id."""
@@ -66,6 +73,33 @@ class DatastoreClient(ServiceClient):
             )
             infos.update((info.trial_id, info) for info in reply.trial_infos)
         return infos
+
+    async def trial_statuses(
+        self, trial_ids: Sequence[str]
+    ) -> dict[str, trial_status_pb2.TrialStatus] | None:
+        """The statuses of the stored trials among `trial_ids`, by id: what the Cogment wire
+        cannot say of them, whether they were interrupted above all. None when the datastore does
+        not serve `cogment_aux.api.TrialStatusSP` (the reference's does not): the trials' states
+        are then only what `StoredTrialInfo.last_state` says."""
+        statuses: dict[str, trial_status_pb2.TrialStatus] = {}
+        for chunk in _status_chunks(list(dict.fromkeys(trial_ids))):
+            try:
+                reply = await self.status_stub.RetrieveTrialStatuses(
+                    trial_status_pb2.RetrieveTrialStatusesRequest(trial_ids=chunk), timeout=self.timeout_s
+                )
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+                raise
+            statuses.update((status.trial_id, status) for status in reply.statuses)
+        return statuses
+
+    async def interrupted_trials(self, trial_ids: Sequence[str]) -> set[str]:
+        """Those of `trial_ids` whose ingestion stopped before they ended: they will not end by
+        themselves, though the Cogment wire lists them with their last state (RUNNING, usually).
+        Empty when the datastore cannot tell (see `trial_statuses`)."""
+        statuses = await self.trial_statuses(trial_ids)
+        return {trial_id for trial_id, status in (statuses or {}).items() if status.interrupted}
 
     async def list_trials(
         self, count: int = 10, handle: str = "", properties: Mapping[str, str] | None = None
@@ -147,3 +181,19 @@ class DatastoreClient(ServiceClient):
                 yield sample
         finally:
             call.cancel()  # ongoing trials: stop following them
+
+
+def _status_chunks(trial_ids: Sequence[str]) -> Iterable[list[str]]:
+    """`trial_ids` in runs of at most STATUSES_PER_CALL ids and STATUS_IDS_BYTES_PER_CALL bytes
+    (an id larger than that alone)."""
+    chunk: list[str] = []
+    size = 0
+    for trial_id in trial_ids:
+        length = len(trial_id.encode("utf-8", "surrogatepass"))
+        if chunk and (len(chunk) == STATUSES_PER_CALL or size + length > STATUS_IDS_BYTES_PER_CALL):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(trial_id)
+        size += length
+    if chunk:
+        yield chunk

@@ -5,7 +5,10 @@ reference's `cogment client datastore`, over `services.datastore.client.api` and
 Commands:
 * `list_trials` (alias `list`): a page of stored trials, in creation order: `--count` (default 10),
   `--properties name=value,...` (trials having them all), `--from HANDLE` (where a previous page
-  ended: the caption of the table gives the next handle).
+  ended: the caption of the table gives the next handle). A trial whose ingestion stopped before
+  it ended shows as INTERRUPTED (JSON: `"interrupted": true`), which the Cogment wire cannot say:
+  the datastore's own TrialStatusSP tells; against one without it (the reference's), the state is
+  the wire's.
 * `delete_trials ID...` (alias `delete`): delete trials, saying how many were stored and which ids
   were not (not an error).
 * `export ID... [--file PATH] [--format cogment|parquet]`: write the samples of trials to a trial
@@ -92,6 +95,8 @@ MAX_UINT32 = 2**32 - 1
 # Export formats: the reference's trial file, or a directory of Parquet files.
 TRIAL_FILE_FORMAT = "cogment"
 PARQUET_FORMAT = "parquet"
+# What the trials table shows for a trial that will not end (not a `cogmentAPI.TrialState`).
+INTERRUPTED = "INTERRUPTED"
 
 # ---- option value parsers ----
 
@@ -169,15 +174,18 @@ def state_name(state: int) -> str:
         return str(state)
 
 
-def print_trials(reply: trial_datastore_pb2.RetrieveTrialsReply, handle: str, out: TextIO) -> None:
-    """The reference's table of trials, and its caption with the next handle."""
+def print_trials(
+    reply: trial_datastore_pb2.RetrieveTrialsReply, interrupted: set[str], handle: str, out: TextIO
+) -> None:
+    """The reference's table of trials, and its caption with the next handle; the `interrupted`
+    ones' state is INTERRUPTED."""
     headers = ["TRIAL ID", "USER ID", "STATE", "SAMPLES", "ACTORS", "PROPERTIES"]
     numeric = {3, 4}
     rows = [
         [
             info.trial_id,
             info.user_id,
-            state_name(info.last_state),
+            INTERRUPTED if info.trial_id in interrupted else state_name(info.last_state),
             str(info.samples_count),
             str(len(info.params.actors)),
             ",".join(f"{name}={value}" for name, value in sorted(info.params.properties.items())),
@@ -206,10 +214,14 @@ DatastoreContext = Context[DatastoreClient]
 async def run_list_trials(context: DatastoreContext) -> None:
     values = context.values
     reply = await context.client.list_trials(values["count"], values["from"], values["properties"])
+    interrupted = await context.client.interrupted_trials([info.trial_id for info in reply.trial_infos])
     if context.json:
-        print(json.dumps(to_json(reply)), file=context.out)
+        output = to_json(reply)
+        for info in output["trial_infos"]:
+            info["interrupted"] = info["trial_id"] in interrupted
+        print(json.dumps(output), file=context.out)
     else:
-        print_trials(reply, values["from"], context.out)
+        print_trials(reply, interrupted, values["from"], context.out)
 
 
 async def run_delete_trials(context: DatastoreContext) -> None:

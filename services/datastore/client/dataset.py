@@ -72,6 +72,7 @@ TRIALS_SCHEMA = pa.schema(
         ("user_id", pa.string()),
         ("state", pa.string()),
         ("ended", pa.bool_()),
+        ("interrupted", pa.bool_()),
         ("samples", pa.uint64()),
         ("ticks", pa.uint64()),
         ("properties", pa.map_(pa.string(), pa.string())),
@@ -287,6 +288,9 @@ class TrialSteps:
     trial_id: str
     info: trial_datastore_pb2.StoredTrialInfo
     late: LateRewards
+    # Its ingestion had stopped before it ended when the export started: it will not end (the
+    # datastore's TrialStatusSP says so; false when it cannot tell).
+    interrupted: bool = False
     ticks: int = 0  # ticks written
     samples: int = 0  # stored samples read (late rewards included)
 
@@ -355,6 +359,7 @@ def write_trials(path: Path, trials: Iterable[TrialSteps]) -> None:
             "user_id": trial.info.user_id,
             "state": state_name(trial.info.last_state),
             "ended": trial.ended,
+            "interrupted": trial.interrupted,
             "samples": trial.samples,
             "ticks": trial.ticks,
             "properties": list(trial.info.params.properties.items()),

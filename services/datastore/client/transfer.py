@@ -102,13 +102,16 @@ async def export_dataset(
     """Write the Parquet dataset of the first `counts[trial]` samples of each trial into
     `directory` (services.datastore.dataset); (samples read, step rows written). The files
     appear once complete; a failed export leaves none."""
+    interrupted = await client.interrupted_trials(list(counts))
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     steps = await asyncio.to_thread(dataset.StepsWriter, dataset.partial(directory / dataset.STEPS_FILE))
     trials: list[dataset.TrialSteps] = []
     completed = False
     try:
         for trial_id, count in counts.items():
-            trials.append(await export_trial(client, infos[trial_id], count, steps, on_sample))
+            trials.append(
+                await export_trial(client, infos[trial_id], count, steps, on_sample, trial_id in interrupted)
+            )
         await asyncio.to_thread(steps.close)
         await asyncio.to_thread(
             dataset.write_trials, dataset.partial(directory / dataset.TRIALS_FILE), trials
@@ -130,6 +133,7 @@ async def export_trial(
     count: int,
     steps: dataset.StepsWriter,
     on_sample: OnProgress,
+    interrupted: bool = False,
 ) -> dataset.TrialSteps:
     """The rows of the first `count` samples of a trial: in one pass when they fit in a row group
     (late rewards folded into the rows held), the row group being filled written first if they
@@ -141,7 +145,7 @@ async def export_trial(
     counted = 0  # samples the progress bar counted already
     if rows <= dataset.ROW_GROUP_ROWS:
         start = steps.held_rows
-        trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards())
+        trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards(), interrupted)
         stepper = dataset.TrialStepper(trial, steps, rewards_read_first=False)
         async with contextlib.aclosing(client.samples({info.trial_id: count})) as samples:
             async for sample in samples:
@@ -159,7 +163,7 @@ async def export_trial(
         steps.rollback(start)
         await asyncio.to_thread(steps.flush)
 
-    trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards())
+    trial = dataset.TrialSteps(info.trial_id, info, dataset.LateRewards(), interrupted)
     async with contextlib.aclosing(client.samples({info.trial_id: count}, REWARD_FIELDS)) as rewards:
         async for sample in rewards:
             trial.late.read(sample)
