@@ -89,7 +89,7 @@ DEFAULT_DATASET_DIRECTORY = "demo-dataset"
 PROGRESS_MIN_TICKS = 5_000
 TICKS = ProgressUnit(lambda done, total, rate: f"{done}/{total} ticks {rate:.0f}/s", PROGRESS_MIN_TICKS)
 MAX_SEED = 2**63 - 1
-# Trial ids listed in full in the suggested export command, at most.
+# Trial ids listed one by one in the suggested export command, at most (more: a brace expansion).
 LISTED_TRIAL_IDS = 10
 _SHELL_SAFE = re.compile(r"[A-Za-z0-9_.,:=@%+/-]+")
 
@@ -444,14 +444,14 @@ def next_commands(
         commands.append(" ".join([client, *map(_quoted, [*listing, *flags])]))
         ids = trials.trial_ids
         prefix = values["trial_id_prefix"] or ids[0].rsplit("-", 1)[0] + "-"
-        if len(ids) <= LISTED_TRIAL_IDS:
-            selection = " ".join(map(_quoted, ids))
-        elif _SHELL_SAFE.fullmatch(prefix) and "," not in prefix:
-            selection = f"{prefix}{{0..{len(ids) - 1}}}"  # a shell's brace expansion (bash, zsh)
+        note = ""
+        if len(ids) > LISTED_TRIAL_IDS and _SHELL_SAFE.fullmatch(prefix) and "," not in prefix:
+            selection = f"{prefix}{{0..{len(ids) - 1}}}"
+            note = "  # bash and zsh expand {a..b} into every trial id"
         else:
-            selection = " ".join(map(_quoted, ids[:LISTED_TRIAL_IDS]))
+            selection = " ".join(map(_quoted, ids))
         export = ["--format", "parquet", "--file", DEFAULT_DATASET_DIRECTORY, *flags]
-        commands.append(f"{client} export {selection} {' '.join(map(_quoted, export))}")
+        commands.append(f"{client} export {selection} {' '.join(map(_quoted, export))}{note}")
     if model is not None:
         client = _client_command(prog, "model_registry")
         flags = _connection_flags(values, "model_registry_endpoint", REGISTRY_ENDPOINT, "--endpoint")

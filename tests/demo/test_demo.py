@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import io
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from services.datastore.client.cli import main as datastore_cli
-from services.demo.__main__ import main
+from services.demo.__main__ import OPTIONS, TrialsReport, main, next_commands
 from services.demo.api import spec_pb2
 from services.demo.orchestration import ENVIRONMENT_IMPLEMENTATION, TrialCounts, TrialPlan, players_of
 from services.demo.publishing import DEFAULT_MODEL_ID, local_policies
@@ -24,6 +25,7 @@ from services.demo.world import GOAL_BONUS, STAGES, THANKS_VALUE, policy_weights
 from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, directory_pb2, model_registry_pb2
 from shared.api import trial_datastore_pb2 as ds
+from shared.config import parse_options
 from tests.demo.helpers import Suite, python_module, run_command, run_demo
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import make_datastore_factory
@@ -330,3 +332,32 @@ async def test_tls_flags_reach_a_datastore_serving_tls(tmp_path: Path) -> None:
         (line,) = err.getvalue().splitlines()
         assert line.startswith(f"Error: cannot reach the trial datastore at grpc://localhost:{port} (")
         assert "--tls_ca" in line
+
+
+def summary_of(trial_ids: list[str]) -> TrialsReport:
+    properties = {"demo": "cogment-aux", "run": "r"}
+    return TrialsReport("grpc://localhost:9003", "u", 1, trial_ids, properties, 5, 3, 0, 0, 0, 0)
+
+
+def test_the_suggested_export_names_every_trial() -> None:
+    values = parse_options(OPTIONS, [], prog="demo", description="", environ={})
+    many = [f"demo-r-{index}" for index in range(12)]
+    (_, export) = next_commands(values, "cogment-aux demo", summary_of(many), None, None)
+    assert export == (
+        "cogment-aux client trial_datastore export demo-r-{0..11} --format parquet --file demo-dataset"
+        "  # bash and zsh expand {a..b} into every trial id"
+    )
+    values = parse_options(
+        OPTIONS,
+        ["--trial_id_prefix", "my trial ", "--trial_datastore_endpoint", "grpcs://store:443"],
+        prog="demo",
+        description="",
+        environ={},
+    )
+    odd = [f"my trial {index}" for index in range(12)]
+    (listing, export) = next_commands(values, "python -m services.demo", summary_of(odd), None, None)
+    assert listing.startswith("python -m services.datastore.client list_trials ")
+    assert shlex.split(export) == [
+        "python", "-m", "services.datastore.client", "export", *odd,
+        "--format", "parquet", "--file", "demo-dataset", "--endpoint", "grpcs://store:443",
+    ]  # fmt: skip
