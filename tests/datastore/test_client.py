@@ -10,7 +10,9 @@ import asyncio
 import io
 import json
 import os
+import pty
 import re
+import shlex
 import struct
 import subprocess
 import sys
@@ -24,11 +26,14 @@ from typing import IO
 import grpc
 import pytest
 
+from services.datastore.client.api import DatastoreClient
 from services.datastore.client.cli import main
+from services.datastore.client.transfer import import_trials
 from services.datastore.client.trial_file import TrialFileError, TrialFileReader
 from shared.api import common_pb2
 from shared.api import trial_datastore_pb2 as ds
 from shared.cli import to_json
+from shared.client import ClientError
 from shared.version import PACKAGE_VERSION
 from tests.helpers.datastore import (
     add_trial,
@@ -491,7 +496,11 @@ async def test_import_refuses_existing_trials(datastore: RunningDatastore, tmp_p
     await ok(datastore, "export", "t0", "t1", "--file", str(target))
     await ok(datastore, "import", "--file", str(target), "--prefix", "p-")
     message = await fails(datastore, "import", "--file", str(target), "--prefix", "p-")
-    match = re.fullmatch(r"Error: trials \[(.*)\] already exist in target datastore, import aborted", message)
+    match = re.fullmatch(
+        r"Error: trials \[(.*)\] already exist in the target datastore, import aborted; "
+        r"import them under other ids with --prefix PREFIX",
+        message,
+    )
     assert match is not None and sorted(match.group(1).split(", ")) == ["p-t0", "p-t1"]
     # Without a prefix the ids are the originals, which exist.
     message = await fails(datastore, "import", "--file", str(target))
@@ -592,13 +601,112 @@ async def test_import_of_bad_files(datastore: RunningDatastore, tmp_path: Path) 
     assert "not a Cogment trial samples file" in await fails(datastore, "import", "--file", str(source))
     source.write_bytes(data[:-3])
     message = await fails(datastore, "import", "--file", str(source))
-    assert "truncated file: sample #2" in message and "the samples before it were imported" in message
-    assert (await infos(datastore))["a"].samples_count == 1
+    assert message.startswith("Error: truncated file: sample #2 ")
+    assert message.endswith("; nothing was imported: the trial it had created was deleted")
+    assert await infos(datastore) == {}  # no half-imported trial left behind
     # A sample naming a trial the header does not have.
     source.write_bytes(hand_built_file([stored_sample("b", 0)], ["a"]))
     message = await fails(datastore, "import", "--file", str(source), "--prefix", "p-")
-    assert message == "Error: read a sample of trial [b], whose parameters are missing from the file"
+    assert message == (
+        "Error: read a sample of trial [b], whose parameters are missing from the file; nothing was imported"
+    )
     assert "cannot read" in await fails(datastore, "import", "--file", str(tmp_path / "missing"))
+
+
+async def test_a_truncated_import_of_several_trials_leaves_none(
+    datastore: RunningDatastore, tmp_path: Path
+) -> None:
+    await add_trial(datastore, "unrelated")
+    samples = [stored_sample(trial_id, tick) for tick in range(40) for trial_id in ("a", "b", "c")]
+    data = hand_built_file(samples, ["a", "b", "c", "no-samples"])
+    source = tmp_path / "cut.trials"
+    source.write_bytes(data[: len(data) * 2 // 3])  # a cut in the middle of a sample
+    message = await fails(datastore, "import", "--file", str(source), "--prefix", "p-")
+    assert message.startswith("Error: truncated file: sample #")
+    assert message.endswith("; nothing was imported: the 3 trials it had created were deleted")
+    assert list(await infos(datastore)) == ["unrelated"]
+    # The same file, whole, imports under the same ids: nothing is in the way.
+    source.write_bytes(data)
+    assert await ok(datastore, "import", "--file", str(source), "--prefix", "p-") == (
+        f'3 trials imported (120 samples) from "{source}"\n'
+    )
+
+
+async def test_an_import_the_datastore_refuses_leaves_no_trial(
+    datastore: RunningDatastore, tmp_path: Path
+) -> None:
+    samples = [stored_sample("a", 0), stored_sample("b", 0), stored_sample("a", 1), stored_sample("b", 1)]
+    samples[3].user_id = "no\x00nul"  # a text column cannot hold it: the datastore refuses the sample
+    source = tmp_path / "refused.trials"
+    source.write_bytes(hand_built_file(samples, ["a", "b"]))
+    message = await fails(datastore, "import", "--file", str(source))
+    assert "INVALID_ARGUMENT" in message and "NUL" in message
+    assert message.endswith("; nothing was imported: the 2 trials it had created were deleted")
+    assert await infos(datastore) == {}
+
+
+async def test_an_import_that_cannot_delete_its_trials_names_them_and_the_command(
+    datastore: RunningDatastore, tmp_path: Path
+) -> None:
+    """The datastore goes away between the failure and the clean-up: the trials left are named,
+    with the command that deletes them, which then does."""
+    data = hand_built_file(
+        [stored_sample("a b", 0), stored_sample("c", 0), stored_sample("a b", 1)], ["a b", "c"]
+    )
+    address = endpoint(datastore)
+    async with DatastoreClient(address) as client:
+
+        async def unavailable(request: ds.DeleteTrialsRequest, timeout: float) -> None:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone away"
+            )
+
+        client.stub.DeleteTrials = unavailable  # type: ignore[method-assign]
+        with pytest.raises(ClientError) as failed:
+            await import_trials(client, TrialFileReader(io.BytesIO(data[:-2])), prefix="x/")
+    command = f"cogment-aux client trial_datastore delete_trials --endpoint {address} 'x/a b' x/c"
+    message = str(failed.value)
+    assert message.startswith("truncated file: sample #3 ")
+    assert message.endswith(
+        "; the import's trials [x/a b, x/c] are incomplete, and could not be deleted (cannot reach "
+        f"the trial datastore at {address} (gone away)): delete them with `{command}`"
+    )
+    assert sorted(await infos(datastore)) == ["x/a b", "x/c"]
+    words = shlex.split(command)
+    assert words[:4] == ["cogment-aux", "client", "trial_datastore", "delete_trials"]
+    out, err = io.StringIO(), io.StringIO()
+    assert await asyncio.to_thread(main, words[3:], {}, out, err) == 0, err.getvalue()
+    assert await infos(datastore) == {}
+
+
+async def test_export_refuses_to_write_binary_to_a_terminal(datastore: RunningDatastore) -> None:
+    await three_trials(datastore)
+
+    def export_to_a_terminal() -> tuple[subprocess.CompletedProcess[bytes], bytes]:
+        controller, terminal = pty.openpty()
+        try:
+            result = subprocess.run(
+                client_command("export", "t0", "--endpoint", endpoint(datastore)),
+                cwd=PROJECT_ROOT, env=clean_environment(), stdout=terminal, stderr=subprocess.PIPE,
+                timeout=60,
+            )  # fmt: skip
+            os.set_blocking(controller, False)
+            try:
+                shown = os.read(controller, 65536)
+            except BlockingIOError:
+                shown = b""
+            return result, shown
+        finally:
+            os.close(terminal)
+            os.close(controller)
+
+    result, shown = await asyncio.to_thread(export_to_a_terminal)
+    assert result.returncode == 1
+    assert result.stderr == (b"Error: the export is binary: give --file PATH, or redirect standard output\n")
+    assert shown == b""
+    # Redirected (a pipe), it writes as before.
+    exported = await asyncio.to_thread(run_process, "export", "t0", "--endpoint", endpoint(datastore))
+    assert exported.returncode == 0 and exported.stdout.startswith(MAGIC)
 
 
 # ---- the reader, on its own ----

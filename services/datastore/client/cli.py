@@ -13,12 +13,15 @@ Commands:
   were not (not an error).
 * `export ID... [--file PATH] [--format cogment|parquet]`: write the samples of trials to a trial
   export file (format in `services.datastore.client.trial_file`); standard output without `--file` or
-  with `--file -`. Trials without samples are left out; ongoing trials are cut at the samples they
-  had when the export started. `--format parquet` writes a training dataset into the directory
+  with `--file -` (refused when standard output is a terminal: the export is binary). Trials
+  without samples are left out; ongoing trials are cut at the samples they had when the export
+  started. `--format parquet` writes a training dataset into the directory
   `--file` names instead (`services.datastore.client.dataset`).
 * `import [--file PATH] [--prefix P] [--user_id U]`: create the trials of an export file (standard
   input without `--file` or with `--file -`) with ids prefixed by P, owned by U (default
-  `cogment CLI`), and add their samples. Nothing is imported if one of these ids exists.
+  `cogment CLI`), and add their samples. Nothing is imported if one of these ids exists. An import
+  that fails part-way deletes the trials it created (or says which are left, and how to delete
+  them).
 
 Fixed reference defects: `export` and `import` really use standard output / input when no file
 is given, an export replaces the file instead of overwriting its start, unknown trial ids fail
@@ -243,6 +246,9 @@ async def run_export(context: DatastoreContext) -> None:
     client, values = context.client, context.values
     if values["format"] == PARQUET_FORMAT:
         require_dataset_extra()
+    elif values["file"] in ("", STDIO) and context.out.isatty():
+        # Bytes that would garble the terminal, and that nobody can use there.
+        raise ClientError("the export is binary: give --file PATH, or redirect standard output")
     infos, counts = await client.sample_counts(values["trial_ids"])
     progress = make_progress(
         f"Exporting {len(counts)} trials", sum(counts.values()), SAMPLES, values, context.err
@@ -358,7 +364,12 @@ async def run_import(context: DatastoreContext) -> None:
         completed = False
         try:
             counts = await import_trials(
-                context.client, TrialFileReader(source), values["prefix"], values["user_id"], progress.advance
+                context.client,
+                TrialFileReader(source),
+                values["prefix"],
+                values["user_id"],
+                progress.advance,
+                source=name,
             )
             completed = True
         except OSError as error:

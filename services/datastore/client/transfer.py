@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shlex
 import stat
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +28,7 @@ try:
     from services.datastore.client import dataset
 except ImportError:  # pyarrow: the `dataset` extra, which only Parquet exports need
     dataset = None  # type: ignore[assignment]
-from services.datastore.client.api import TRIAL_ID_METADATA_KEY, DatastoreClient, id_list
+from services.datastore.client.api import DEFAULT_ENDPOINT, TRIAL_ID_METADATA_KEY, DatastoreClient, id_list
 from services.datastore.client.trial_file import TrialFileError, TrialFileReader, TrialFileWriter, file_header
 from shared.api import common_pb2, trial_datastore_pb2
 from shared.channel import ClientTls
@@ -39,6 +40,10 @@ IMPORT_BATCH = 100
 # AddSample calls an import keeps open at once (one per trial; samples of trials interleave in a
 # file): past it, the least recently used one is finished, and a new one opened if needed.
 MAX_OPEN_ADD_SAMPLE_CALLS = 32
+# Trials a failed import deletes per DeleteTrials call (the datastore takes 10,000).
+DELETE_BATCH = 1000
+# The command line that deletes trials (what a failed import that could not clean up suggests).
+DELETE_COMMAND = ("cogment-aux", "client", "trial_datastore", "delete_trials")
 # What a Parquet export reads first of each trial: its late rewards (`dataset`).
 REWARD_FIELDS = (
     trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_REWARD,
@@ -207,10 +212,17 @@ async def import_trials(
     prefix: str = "",
     user_id: str = DEFAULT_IMPORT_USER_ID,
     on_bytes: OnProgress = _ignore,
+    source: str = "the export file",
 ) -> dict[str, int]:
     """Create the trials of the file, their ids prefixed by `prefix` and owned by `user_id`, and
     add their samples; samples per imported trial id. Nothing is imported if one of the ids
-    exists."""
+    exists.
+
+    An import that fails part-way (a truncated or malformed file, `source` unreadable, the
+    datastore refusing or going away) deletes the trials it created, so that none is left
+    half-imported (listed RUNNING forever, and in the way of the next attempt); the ClientError
+    says so, or, when they could not be deleted, which trials are incomplete and the command
+    that deletes them."""
     try:
         header = await asyncio.to_thread(reader.read_header)
     except TrialFileError as error:
@@ -218,18 +230,17 @@ async def import_trials(
     target_ids = [prefix + trial_id for trial_id in header.trial_params]
     existing = list(await client.trial_infos(target_ids))
     if existing:
-        raise ClientError(f"trials {id_list(existing)} already exist in target datastore, import aborted")
+        raise ClientError(
+            f"trials {id_list(existing)} already exist in the target datastore, import aborted; "
+            "import them under other ids with --prefix PREFIX"
+        )
 
     importer = TrialImporter(client, header.trial_params, prefix, user_id)
     reported = reader.bytes_read
     on_bytes(reported)
     try:
         while True:
-            try:
-                samples = await asyncio.to_thread(reader.read_samples, IMPORT_BATCH)
-            except TrialFileError as error:
-                await importer.finish()  # what came before the error is imported
-                raise ClientError(f"{error}; the samples before it were imported") from None
+            samples = await asyncio.to_thread(reader.read_samples, IMPORT_BATCH)
             if not samples:
                 break
             for sample in samples:
@@ -237,9 +248,50 @@ async def import_trials(
             on_bytes(reader.bytes_read - reported)
             reported = reader.bytes_read
         await importer.finish()
+    except (TrialFileError, ClientError, OSError, grpc.aio.AioRpcError) as error:
+        importer.cancel()  # nothing more goes in: what is there is deleted
+        if isinstance(error, grpc.aio.AioRpcError):
+            cause = client.describe_rpc_error(error, "import")
+        elif isinstance(error, OSError):
+            cause = f"cannot read [{source}]: {error.strerror or error}"
+        else:
+            cause = str(error)
+        raise ClientError(f"{cause}; {await _delete_created(client, importer.created)}") from None
     finally:
         importer.cancel()
     return importer.counts
+
+
+async def _delete_created(client: DatastoreClient, created: Sequence[str]) -> str:
+    """Delete the trials a failed import created; what became of them, in words."""
+    if not created:
+        return "nothing was imported"
+    for start in range(0, len(created), DELETE_BATCH):
+        try:
+            await client.stub.DeleteTrials(
+                trial_datastore_pb2.DeleteTrialsRequest(trial_ids=created[start : start + DELETE_BATCH]),
+                timeout=client.timeout_s,
+            )
+        except grpc.aio.AioRpcError as error:
+            left = created[start:]  # each call deletes all of its trials, or none
+            command = shlex.join([*DELETE_COMMAND, *_connection_flags(client), *left])
+            return (
+                f"the import's trials {id_list(left)} are incomplete, and could not be deleted "
+                f"({client.describe_rpc_error(error, 'delete_trials')}): delete them with `{command}`"
+            )
+    if len(created) == 1:
+        return "nothing was imported: the trial it had created was deleted"
+    return f"nothing was imported: the {len(created)} trials it had created were deleted"
+
+
+def _connection_flags(client: DatastoreClient) -> list[str]:
+    """The command line's flags that reach the datastore `client` reaches."""
+    flags = [] if client.endpoint == DEFAULT_ENDPOINT else ["--endpoint", client.endpoint.url]
+    if client.tls is not None:
+        for name, path in (("ca", client.tls.ca), ("cert", client.tls.cert), ("key", client.tls.key)):
+            if path:
+                flags += [f"--tls_{name}", path]
+    return flags
 
 
 class TrialImporter:
@@ -258,6 +310,9 @@ class TrialImporter:
         self._prefix = prefix
         self._user_id = user_id
         self.counts: dict[str, int] = {}  # imported trial id → samples added
+        # Every trial id this import asked to create, in order (an AddTrial whose answer was lost
+        # may have created its trial all the same).
+        self.created: list[str] = []
         self._calls: OrderedDict[str, grpc.aio.StreamUnaryCall] = OrderedDict()  # least recent first
 
     async def add(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
@@ -282,6 +337,7 @@ class TrialImporter:
             raise ClientError(
                 f"read a sample of trial [{file_trial_id}], whose parameters are missing from the file"
             )
+        self.created.append(trial_id)
         await self._client.stub.AddTrial(
             trial_datastore_pb2.AddTrialRequest(user_id=self._user_id, trial_params=params),
             metadata=((TRIAL_ID_METADATA_KEY, trial_id),),
