@@ -6,6 +6,7 @@ manifests say checked against the services' own options."""
 from __future__ import annotations
 
 import base64
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -18,6 +19,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from services.cli import main as cogment_aux
 from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.model_registry.service import OPTIONS as REGISTRY_OPTIONS
@@ -44,16 +46,18 @@ from tests.helpers.helm import (
 # The chart's minimum (Chart.yaml kubeVersion) and a current release; kubernetes-validate 1.37
 # ships the schemas of 1.25 to 1.37.
 KUBERNETES_VERSIONS = ["1.27.0", "1.35.0"]
+# What each container runs: the image's entrypoint, `cogment-aux`, with these args.
 COMPONENTS = {
-    "directory": "services.directory",
-    "model-registry": "services.model_registry",
-    "datastore": "services.datastore",
+    "directory": ["services", "directory"],
+    "model-registry": ["services", "model_registry"],
+    "datastore": ["services", "trial_datastore"],
 }
-OPTIONS_BY_MODULE: dict[str, list[Option]] = {
-    "services.directory": DIRECTORY_OPTIONS,
-    "services.model_registry": REGISTRY_OPTIONS,
-    "services.datastore": DATASTORE_OPTIONS,
-    "shared.migrate": MIGRATE_OPTIONS,
+MIGRATE = ["migrate"]
+OPTIONS_BY_COMMAND: dict[tuple[str, ...], list[Option]] = {
+    ("services", "directory"): DIRECTORY_OPTIONS,
+    ("services", "model_registry"): REGISTRY_OPTIONS,
+    ("services", "trial_datastore"): DATASTORE_OPTIONS,
+    ("migrate",): MIGRATE_OPTIONS,
 }
 DEFAULT_PORTS = {"directory": 9005, "model-registry": 9002, "datastore": 9003}
 HEALTH_PORT = 8081
@@ -234,7 +238,7 @@ def test_default_values_deploy_three_services_on_sqlite(default_manifests: list[
         assert deployment["spec"]["strategy"]["type"] == "Recreate"
         spec = pod_spec(deployment)
         (container,) = spec["containers"]
-        assert container["args"] == [COMPONENTS[component]]
+        assert container["args"] == COMPONENTS[component]
         port = DEFAULT_PORTS[component]
         assert container["ports"] == [
             {"name": "grpc", "containerPort": port, "protocol": "TCP"},
@@ -590,7 +594,7 @@ def test_migrations_run_once_as_a_hook_before_install_and_upgrade(
     spec = pod_spec(job)
     assert spec["restartPolicy"] == "Never"
     (container,) = spec["containers"]
-    assert container["args"] == ["shared.migrate"]
+    assert container["args"] == MIGRATE
     assert env_of(container)["COGMENT_DATABASE_URL"]["valueFrom"] == {
         "secretKeyRef": {"name": "cogment-aux-database", "key": "database-url"}
     }
@@ -618,8 +622,7 @@ def test_every_environment_variable_is_an_option_of_the_service(
     seen: set[str] = set()
     for manifests in variants:
         for workload, _spec, container in containers(manifests):
-            (module,) = container["args"]
-            known = {option.env for option in OPTIONS_BY_MODULE[module] if option.env}
+            known = {option.env for option in OPTIONS_BY_COMMAND[tuple(container["args"])] if option.env}
             unknown = set(env_of(container)) - known
             assert unknown == set(), f"{workload['metadata']['name']}: {sorted(unknown)}"
             seen.update(env_of(container))
@@ -710,10 +713,16 @@ def test_sqlite_scales_to_one_replica_per_service_and_disabled_services_are_left
 def test_notes_tell_how_to_reach_each_service() -> None:
     result = helm("install", "cogment", str(CHART_DIR), "--dry-run=client", "--namespace", "ml")
     notes = result.stdout.split("NOTES:", 1)[1]
-    for name, port in [("directory", 9005), ("model-registry", 9002), ("datastore", 9003)]:
+    for name, port, command in [
+        ("directory", 9005, "directory"),
+        ("model-registry", 9002, "model_registry"),
+        ("datastore", 9003, "trial_datastore"),
+    ]:
+        assert f"(cogment-aux services {command})" in notes
         assert f"grpc://cogment-cogment-aux-{name}.ml.svc.cluster.local:{port}" in notes
         assert f"kubectl --namespace ml port-forward svc/cogment-cogment-aux-{name} {port}:{port}" in notes
     assert "cogment://discover/modelregistry" in notes
+    assert "e.g. cogment-aux client model_registry --endpoint grpc://localhost:9002 list_models" in notes
     scale_out = helm(
         "install",
         "cogment",
@@ -729,26 +738,61 @@ def test_notes_tell_how_to_reach_each_service() -> None:
 # ---- the image ----
 
 
-def test_dockerfile_is_multi_stage_non_root_and_runs_a_service_by_command() -> None:
+def test_dockerfile_is_multi_stage_non_root_and_runs_cogment_aux() -> None:
+    """What tests/deploy/test_image.py cannot see from a built image: how it is built."""
     text = DOCKERFILE.read_text()
     stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.MULTILINE)
     assert len(stages) >= 2, "a builder stage and a runtime stage"
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.MULTILINE)
     assert all(image == "${PYTHON_IMAGE}" for image, _ in stages)
-    final = text[text.rindex("\nFROM ") :]
-    assert re.search(r"^COPY --from=builder /opt/venv /opt/venv$", final, re.MULTILINE)
+    builder, final = text[: text.rindex("\nFROM ")], text[text.rindex("\nFROM ") :]
+    # The dependencies' layer depends on pyproject.toml alone; the sources come after it.
+    copies = re.findall(r"^COPY (?!--from)(.+?) \./?\S*$", builder, re.MULTILINE)
+    assert copies[0] == "pyproject.toml", copies
+    assert builder.index("pip install -r") < builder.index("COPY shared")
+    # The wheel `pip wheel .` builds, installed as a wheel (not the source tree, not editable).
+    assert re.search(r"pip wheel --no-deps --wheel-dir (\S+) \.", builder)
+    assert re.search(r"pip install /tmp/wheels/cogment_aux-\*\.whl", builder)
+    assert not re.search(r"pip install (-e |--editable |--no-deps \.|\.$)", builder, re.MULTILINE)
+    # The runtime stage takes the virtual environment and nothing else of the build.
+    assert re.findall(r"^COPY .*$", final, re.MULTILINE) == ["COPY --from=builder /opt/venv /opt/venv"]
     users = re.findall(r"^USER\s+(\S+)", final, re.MULTILINE)
     assert users and users[-1].split(":")[0] == "10001"
-    assert image_entrypoint() == ["python", "-m"]
-    assert re.search(r'^CMD \["services\.directory"\]$', final, re.MULTILINE)
+    assert image_entrypoint() == ["cogment-aux"]
+    assert re.search(r'^CMD \["services", "directory"\]$', final, re.MULTILINE)
     assert re.search(r'^VOLUME \["/data"\]$', final, re.MULTILINE)
-    # shared.db finds the migrations beside the shared package; the image must carry them.
-    assert "COPY migrations" in text
-    # The chart's containers run what the image has: `python -m <module>`.
-    for module in [*COMPONENTS.values(), "shared.migrate"]:
-        assert (PROJECT_ROOT / module.replace(".", "/")).with_suffix(".py").exists() or (
-            PROJECT_ROOT / module.replace(".", "/") / "__main__.py"
-        ).exists()
+
+
+def test_the_containers_run_cogment_aux_commands(
+    default_manifests: list[Manifest], scale_out_manifests: list[Manifest], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each container's args, after the image's entrypoint, are a command of `cogment-aux`, the
+    package's console script."""
+    (script,) = importlib.metadata.entry_points(group="console_scripts", name="cogment-aux")
+    assert script.value == "services.cli:main"
+    commands = {
+        tuple(container["args"])
+        for manifests in (default_manifests, scale_out_manifests)
+        for _workload, _spec, container in containers(manifests)
+    }
+    assert commands == {*(tuple(args) for args in COMPONENTS.values()), tuple(MIGRATE)}
+    for command in sorted(commands):
+        with pytest.raises(SystemExit) as exited:
+            cogment_aux([*command, "--help"])
+        assert exited.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: cogment-aux {' '.join(command)} ")
+
+
+def test_every_service_listens_on_the_pods_address(
+    default_manifests: list[Manifest], scale_out_manifests: list[Manifest]
+) -> None:
+    """The services' own default address is 127.0.0.1, which neither their Service nor kubelet's
+    probes reach: the chart sets it."""
+    for manifests in (default_manifests, scale_out_manifests, render([POSTGRESQL_S3_VALUES])):
+        for component, deployment in by_component(manifests, "Deployment").items():
+            (container,) = pod_spec(deployment)["containers"]
+            name = f"{ENV_PREFIXES[component]}_BIND_ADDRESS"
+            assert env_of(container)[name] == {"name": name, "value": "0.0.0.0"}, component
 
 
 def test_dockerignore_keeps_the_build_context_small() -> None:

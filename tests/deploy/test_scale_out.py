@@ -21,9 +21,7 @@ scale-out values without TLS.
 from __future__ import annotations
 
 import os
-import random
 import secrets
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +57,7 @@ from tests.helpers.helm import (
     of_kind,
     pod_spec,
     render,
+    reserve_port,
     start_local,
 )
 from tests.helpers.services import RunningService
@@ -120,32 +119,6 @@ def make_secrets(manifests: Sequence[Manifest], postgres_url: str, s3: SeaweedS3
                 for item in source["items"]:
                     put(source["name"], item["key"], _tls_file_for(volume["name"], item["path"], pki))
     return found
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def reserve_port(taken: set[int]) -> int:
-    """A free port of 127.0.0.1 for a process to bind later. It is drawn below the ephemeral
-    range, so the port-0 binds of the other replicas cannot take it in the meantime."""
-    low = _ephemeral_low()
-    for _attempt in range(200):
-        port = random.randrange(10000, low) if low > 11000 else 0
-        if port in taken:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = probe.getsockname()[1]
-        taken.add(port)
-        return int(port)
-    raise AssertionError("no free port")
 
 
 class LocalRelease:

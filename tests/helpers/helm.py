@@ -8,15 +8,19 @@ never see a partial binary). `COGMENT_TEST_HELM` points at another binary; `helm
 last resort.
 
 `local_command()` turns one rendered container into what would run in its pod: the image's
-entrypoint plus the container's args, and its environment with Secret references, field
-references and mounted volumes resolved on this machine.
+entrypoint (`cogment-aux`, this environment's console script) plus the container's args, and its
+environment with Secret references, field references and mounted volumes resolved on this
+machine. `container_env()` and `fill_volume()` are those resolutions alone, for the image test,
+which runs the containers themselves (tests/helpers/image.py).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -210,6 +214,52 @@ def _write_secret(
         target.write_text(data[item["key"]])
 
 
+def fill_volume(volume: Mapping[str, Any], directory: Path, secrets: Secrets) -> None:
+    """Make `directory` what the pod's `volume` would be: empty for an emptyDir or a claim, the
+    Secrets' files for a Secret volume or a projected volume of Secrets."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if "secret" in volume:
+        _write_secret(directory, volume["secret"]["secretName"], volume["secret"].get("items"), secrets)
+    elif "projected" in volume:
+        for source in volume["projected"]["sources"]:
+            assert set(source) == {"secret"}, f"unexpected projected source {source}"
+            _write_secret(directory, source["secret"]["name"], source["secret"].get("items"), secrets)
+    else:
+        assert "emptyDir" in volume or "persistentVolumeClaim" in volume, f"unexpected volume {volume}"
+
+
+def container_env(
+    container: Mapping[str, Any], *, secrets: Secrets, field_refs: Mapping[str, str]
+) -> dict[str, str]:
+    """The container's environment as its process sees it: Secret and field references resolved."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = str(entry["value"])
+            continue
+        source = entry["valueFrom"]
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[entry["name"]] = secrets[ref["name"]][ref["key"]]
+        elif "fieldRef" in source:
+            env[entry["name"]] = field_refs[source["fieldRef"]["fieldPath"]]
+        else:
+            raise AssertionError(f"unsupported env source {source}")
+    return env
+
+
+def _local_executable(name: str) -> str:
+    """`python` is this interpreter; a console script of the image's (`cogment-aux`) is this
+    environment's own, installed beside it by `pip install -e .`."""
+    if name in ("python", "python3"):
+        return sys.executable
+    if "/" in name:
+        return name
+    script = Path(sys.executable).parent / name
+    assert script.is_file(), f"{name} is not installed in {script.parent}: pip install -e ."
+    return str(script)
+
+
 def local_command(
     pod: Mapping[str, Any],
     container: Mapping[str, Any],
@@ -221,28 +271,19 @@ def local_command(
     rewrite: Callable[[str, str], str] = lambda _name, value: value,
 ) -> LocalCommand:
     """What `container` of `pod` would run: the command (the image's entrypoint unless the
-    container sets one; `python` is this interpreter) with its args, and its environment:
-    Secret and field references resolved, volume paths mapped to directories under
-    `volumes_dir` (Secret volumes, and projected volumes of Secrets, filled from `secrets`), then
-    `rewrite(name, value)` for what differs on this machine (hosts, ports)."""
+    container sets one, from this environment) with its args, and its environment: Secret and
+    field references resolved, volume paths mapped to directories under `volumes_dir` (Secret
+    volumes, and projected volumes of Secrets, filled from `secrets`), then `rewrite(name,
+    value)` for what differs on this machine (hosts, ports)."""
     command = list(container.get("command") or entrypoint) + [str(a) for a in container.get("args", [])]
-    if command and command[0] in ("python", "python3"):
-        command[0] = sys.executable
+    if command:
+        command[0] = _local_executable(command[0])
 
     volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
     mounts: list[tuple[str, Path]] = []
     for mount in container.get("volumeMounts", []):
         local = volumes_dir / mount["name"]
-        local.mkdir(parents=True, exist_ok=True)
-        volume = volumes[mount["name"]]
-        if "secret" in volume:
-            _write_secret(local, volume["secret"]["secretName"], volume["secret"].get("items"), secrets)
-        elif "projected" in volume:
-            for source in volume["projected"]["sources"]:
-                assert set(source) == {"secret"}, f"unexpected projected source {source}"
-                _write_secret(local, source["secret"]["name"], source["secret"].get("items"), secrets)
-        else:
-            assert "emptyDir" in volume or "persistentVolumeClaim" in volume, f"unexpected volume {volume}"
+        fill_volume(volumes[mount["name"]], local, secrets)
         mounts.append((mount["mountPath"].rstrip("/"), local))
 
     def map_paths(value: str) -> str:
@@ -251,22 +292,8 @@ def local_command(
                 return str(local) + value[len(mount_path) :]
         return value
 
-    env: dict[str, str] = {}
-    for entry in container.get("env", []):
-        name = entry["name"]
-        if "value" in entry:
-            value = str(entry["value"])
-        else:
-            source = entry["valueFrom"]
-            if "secretKeyRef" in source:
-                ref = source["secretKeyRef"]
-                value = secrets[ref["name"]][ref["key"]]
-            elif "fieldRef" in source:
-                value = field_refs[source["fieldRef"]["fieldPath"]]
-            else:
-                raise AssertionError(f"unsupported env source {source}")
-        env[name] = rewrite(name, map_paths(value))
-    return LocalCommand(command, env)
+    env = container_env(container, secrets=secrets, field_refs=field_refs)
+    return LocalCommand(command, {name: rewrite(name, map_paths(value)) for name, value in env.items()})
 
 
 def start_local(command: LocalCommand, cwd: Path) -> subprocess.Popen[str]:
@@ -285,3 +312,32 @@ def start_local(command: LocalCommand, cwd: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+# ---- ports of this machine for what would listen in pods ----
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def reserve_port(taken: set[int]) -> int:
+    """A free port of 127.0.0.1 for a process to bind later. It is drawn below the ephemeral
+    range, so the port-0 binds of the other replicas cannot take it in the meantime."""
+    low = _ephemeral_low()
+    for _attempt in range(200):
+        port = random.randrange(10000, low) if low > 11000 else 0
+        if port in taken:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = probe.getsockname()[1]
+        taken.add(port)
+        return int(port)
+    raise AssertionError("no free port")

@@ -24,20 +24,20 @@ A "component" is one of the values keys: directory, modelRegistry, datastore.
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* The fixed facts of each component: module, environment prefix, name suffix. */}}
+{{/* The fixed facts of each component: its `cogment-aux services` name, environment prefix, name suffix. */}}
 {{- define "cogment-aux.components" -}}
 directory:
-  module: services.directory
+  service: directory
   envPrefix: COGMENT_DIRECTORY
   suffix: directory
   registers: false
 modelRegistry:
-  module: services.model_registry
+  service: model_registry
   envPrefix: COGMENT_MODEL_REGISTRY
   suffix: model-registry
   registers: true
 datastore:
-  module: services.datastore
+  service: trial_datastore
   envPrefix: COGMENT_TRIAL_DATASTORE
   suffix: datastore
   registers: true
