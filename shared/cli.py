@@ -197,6 +197,7 @@ class Progress:
             self._draw(now)
 
     def close(self, completed: bool) -> None:
+        """End the bar's line (drawn full if `completed`); later calls do nothing."""
         if self._stream is None:
             return
         if completed:
@@ -204,6 +205,7 @@ class Progress:
         if self._width:
             self._stream.write("\n")
             self._stream.flush()
+        self._stream = None
 
     def _draw(self, now: float) -> None:
         if self._stream is None:

@@ -13,6 +13,7 @@ import os
 import pty
 import re
 import shlex
+import signal
 import struct
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import pytest
 
 from services.datastore.client.api import DatastoreClient
 from services.datastore.client.cli import main
-from services.datastore.client.transfer import import_trials
+from services.datastore.client.transfer import IMPORT_BATCH, import_trials
 from services.datastore.client.trial_file import TrialFileError, TrialFileReader
 from shared.api import common_pb2
 from shared.api import trial_datastore_pb2 as ds
@@ -630,6 +631,32 @@ async def test_a_truncated_import_of_several_trials_leaves_none(
     assert await ok(datastore, "import", "--file", str(source), "--prefix", "p-") == (
         f'3 trials imported (120 samples) from "{source}"\n'
     )
+
+
+async def test_an_interrupted_import_leaves_no_trial(datastore: RunningDatastore) -> None:
+    """Ctrl-C in the middle of an import: the trials it created are deleted, it says so, and it
+    exits as an interrupted program does."""
+    samples = [stored_sample(trial_id, tick) for tick in range(IMPORT_BATCH) for trial_id in ("a", "b")]
+    data = hand_built_file(samples, ["a", "b"])
+    process = popen("import", "--endpoint", endpoint(datastore), stdin=subprocess.PIPE)
+    assert process.stdin is not None
+    # All but the last byte: the first batches are imported (the trials are created), and the
+    # import waits for the rest of the last sample.
+    process.stdin.write(data[:-1])
+    process.stdin.flush()
+    for _ in range(600):
+        if set(await infos(datastore)) == {"a", "b"}:
+            break
+        await asyncio.sleep(0.05)
+    assert set(await infos(datastore)) == {"a", "b"}
+    process.send_signal(signal.SIGINT)
+    out, err = await asyncio.to_thread(process.communicate, None, 60)
+    assert process.returncode == 130, err
+    assert (out, err) == (
+        b"",
+        b"Interrupted: nothing was imported: the 2 trials it had created were deleted\n",
+    )
+    assert await infos(datastore) == {}
 
 
 async def test_an_import_the_datastore_refuses_leaves_no_trial(

@@ -374,6 +374,10 @@ async def run_import(context: DatastoreContext) -> None:
             completed = True
         except OSError as error:
             raise ClientError(f"cannot read [{name}]: {error.strerror or error}") from None
+        except asyncio.CancelledError as interrupted:
+            progress.close(completed)
+            print(f"Interrupted: {interrupted}" if interrupted.args else "Interrupted", file=context.err)
+            raise
         finally:
             progress.close(completed)
 

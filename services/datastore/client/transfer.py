@@ -222,7 +222,7 @@ async def import_trials(
     datastore refusing or going away) deletes the trials it created, so that none is left
     half-imported (listed RUNNING forever, and in the way of the next attempt); the ClientError
     says so, or, when they could not be deleted, which trials are incomplete and the command
-    that deletes them."""
+    that deletes them. Cancelled, it deletes them too, then raises CancelledError saying so."""
     try:
         header = await asyncio.to_thread(reader.read_header)
     except TrialFileError as error:
@@ -257,6 +257,12 @@ async def import_trials(
         else:
             cause = str(error)
         raise ClientError(f"{cause}; {await _delete_created(client, importer.created)}") from None
+    except asyncio.CancelledError:
+        # Interrupted (Ctrl-C): the trials it created are deleted all the same, and the
+        # cancellation goes on, carrying what became of them.
+        importer.cancel()
+        outcome = await asyncio.shield(_delete_created(client, importer.created))
+        raise asyncio.CancelledError(outcome) from None
     finally:
         importer.cancel()
     return importer.counts
