@@ -100,7 +100,7 @@ class ServiceClient:
         code = error.code()
         details = error.details() or ""
         if code == grpc.StatusCode.UNAVAILABLE and not self.waits_for_ready:
-            hint = self._transport_hint(details)
+            hint = self.transport_hint(details)
             return f"cannot reach the {self.service} at {self.endpoint} ({details}){hint}"
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return self.no_answer()
@@ -112,7 +112,7 @@ class ServiceClient:
             )
         return f"{command} failed: {code.name}: {details} ({self.service} {self.endpoint})"
 
-    def _transport_hint(self, details: str) -> str:
+    def transport_hint(self, details: str) -> str:
         """What to change when `details` says the connection itself failed, in TLS terms."""
         if self.tls is None and _PLAINTEXT_MET_TLS in details:
             return (

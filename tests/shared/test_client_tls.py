@@ -288,6 +288,28 @@ def test_another_services_port(servers: Servers, plaintext: dict[str, RunningSer
     )
 
 
+@pytest.mark.parametrize("servers", ["directory"], indirect=True)
+def test_wait_for_ready_says_why_it_waited_in_vain(servers: Servers, pki: Pki) -> None:
+    client = servers.client
+    # It waits until the timeout, whatever fails; then it says what its last attempt met.
+    for server, flags, hint in [
+        (servers.tls, [], CA_HINT),
+        (servers.mtls, ["--tls_ca", str(pki.ca)], CLIENT_CERTIFICATE_HINT),
+    ]:
+        result = run(client, "wait_for_ready", "--timeout", "1", *endpoint_flags(server.endpoint), *flags)
+        failed_with(result, f"Error: the directory at {server.endpoint} did not answer within 1 s (", hint)
+    certificate = [
+        "--tls_ca",
+        str(pki.ca),
+        "--tls_cert",
+        str(pki.client.cert),
+        "--tls_key",
+        str(pki.client.key),
+    ]
+    result = run(client, "wait_for_ready", *endpoint_flags(servers.mtls.endpoint), *certificate)
+    assert (result.returncode, result.stdout) == (0, f"The directory at {servers.mtls.endpoint} is ready\n")
+
+
 # ---- mistakes in the TLS flags and files (no connection is attempted) ----
 
 

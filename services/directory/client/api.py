@@ -10,6 +10,8 @@ Calls end within the client's timeout; failures are `grpc.aio.AioRpcError`s, whi
 
 from __future__ import annotations
 
+import grpc
+
 from shared.api import directory_pb2, directory_pb2_grpc
 from shared.channel import ClientTls
 from shared.client import DEFAULT_TIMEOUT_S, ClientError, ServiceClient
@@ -19,6 +21,8 @@ DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9005)
 TOKEN_METADATA_KEY = "authentication-token"
 # Initial and maximum delays between two connection attempts.
 RECONNECT_BACKOFF_MS = (250, 1000)
+# How long `wait_for_ready`, having waited in vain, gives one more attempt to say why.
+LAST_ATTEMPT_S = 2.0
 
 
 class DirectoryClient(ServiceClient):
@@ -85,5 +89,21 @@ class DirectoryClient(ServiceClient):
 
     async def wait_for_ready(self) -> None:
         """Inquire for service id 0 (which never exists, answered at once) as soon as the
-        directory can be reached, until the timeout."""
-        await self.inquire(directory_pb2.InquireRequest(service_id=0), wait_for_ready=True)
+        directory can be reached, until the timeout. In vain, a ClientError says why the last
+        connection attempt failed (a TLS server met in plaintext...) when it can tell."""
+        request = directory_pb2.InquireRequest(service_id=0)
+        try:
+            await self.inquire(request, wait_for_ready=True)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            # A waiting call ends with the deadline only, whatever kept it from connecting: one
+            # call that does not wait fails with the connection's own error (or is answered: the
+            # directory is ready after all).
+            try:
+                await self._stub.Inquire(request, metadata=self._metadata, timeout=LAST_ATTEMPT_S).read()
+            except grpc.aio.AioRpcError as last:
+                if last.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise error from None
+                details = last.details() or ""
+                raise ClientError(f"{self.no_answer()} ({details}){self.transport_hint(details)}") from None
