@@ -5,7 +5,6 @@ self-registration in a directory."""
 from __future__ import annotations
 
 import errno
-import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from shared.endpoints import GrpcEndpoint
+from shared.tls_files import ENCRYPTED_KEY, ca_error, key_pair_error
 
 
 class TlsFileError(OSError):
@@ -47,26 +47,19 @@ class ClientTls:
         return grpc.ssl_channel_credentials(ca, key, cert)
 
     def check(self) -> None:
-        """Raise a TlsFileError naming the file that is not PEM, or the key that is not the
-        certificate's: grpc would accept them, then fail every connection with "Failed to create
-        security handshaker" after printing its own log lines."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        if self.ca:
-            try:
-                context.load_verify_locations(self.ca)
-            except ssl.SSLError:
-                raise TlsFileError(self.ca, f"[{self.ca}] is not a PEM CA bundle") from None
-        if self.cert:
-            try:
-                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(self.cert)
-            except ssl.SSLError:
-                raise TlsFileError(self.cert, f"[{self.cert}] is not a PEM certificate") from None
-            try:
-                context.load_cert_chain(self.cert, self.key)
-            except ssl.SSLError:
-                raise TlsFileError(
-                    self.key, f"[{self.key}] is not the PEM private key of the certificate [{self.cert}]"
-                ) from None
+        """Raise a TlsFileError naming the file that is not PEM, the key that is not the
+        certificate's or is encrypted: grpc would accept them, then fail every connection with
+        "Failed to create security handshaker" after printing its own log lines."""
+        if self.ca and ca_error(self.ca) is not None:
+            raise TlsFileError(self.ca, f"[{self.ca}] is not a PEM CA bundle")
+        if self.cert and ca_error(self.cert) is not None:  # a certificate reads as a bundle of one
+            raise TlsFileError(self.cert, f"[{self.cert}] is not a PEM certificate")
+        if self.cert and (reason := key_pair_error(self.cert, self.key)) is not None:
+            if reason == ENCRYPTED_KEY:
+                raise TlsFileError(self.key, f"[{self.key}]: {ENCRYPTED_KEY}")
+            raise TlsFileError(
+                self.key, f"[{self.key}] is not the PEM private key of the certificate [{self.cert}]"
+            )
 
 
 def tls_for(endpoint: GrpcEndpoint, tls: ClientTls | None) -> ClientTls | None:

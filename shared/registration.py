@@ -27,7 +27,8 @@ Behaviour:
   local address of the route to the directory if that is not loopback. When all fail, the
   reference exits; here an error is logged and the service keeps serving, unregistered.
 * TLS: with `--directory_tls_ca` the directory is reached over TLS, its certificate checked
-  against that CA bundle (a `grpcs://` endpoint without it: against the system's CAs);
+  against that CA bundle (without it, a `grpcs://` endpoint or a client certificate: against the
+  system's CAs);
   `--directory_tls_cert` and `--directory_tls_key` add a client certificate for a directory that
   requires one (mTLS). An unreadable file is logged as an error
   and the service keeps serving, unregistered. (The reference only spoke plaintext.)
@@ -69,6 +70,7 @@ from shared.endpoints import (
     parse_properties,
     service_type_name,
 )
+from shared.errors import StartupError
 from shared.logging import get_logger
 from shared.private_file import write_private_file
 from shared.settings import Settings
@@ -276,11 +278,12 @@ class DirectoryRegistration:
         except ValueError as error:
             log.warning("ignoring the directory registration properties", properties=text, error=str(error))
             properties = {}
-        directory_tls = (
-            ClientTls(settings.directory_tls_ca, settings.directory_tls_cert, settings.directory_tls_key)
-            if settings.directory_tls_ca
-            else None
-        )
+        files = (settings.directory_tls_ca, settings.directory_tls_cert, settings.directory_tls_key)
+        try:
+            # Any of them asks for TLS (without a CA bundle: the system's CAs).
+            directory_tls = ClientTls(*files) if any(files) else None
+        except ValueError:
+            raise StartupError("--directory_tls_cert and --directory_tls_key go together") from None
         return cls(
             settings.directory_endpoint,
             service_types,

@@ -14,7 +14,6 @@ import gc
 import os
 import signal
 import socket
-import ssl
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -36,6 +35,7 @@ from shared.observer import ObservabilityInterceptor
 from shared.registration import DirectoryRegistration, RegistrationSettings
 from shared.runtime import ServiceRuntime
 from shared.settings import ServerSettings
+from shared.tls_files import ca_error, key_pair_error
 from shared.version import PACKAGE_VERSION
 
 log = get_logger("shared.server")
@@ -120,21 +120,12 @@ def _read(path: str, what: str) -> bytes:
 def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
     """Raise a StartupError naming what is wrong with the TLS files: grpc would only fail to
     listen, without saying why."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(cert, key)
-    except ssl.SSLError as error:
+    if (reason := key_pair_error(cert, key)) is not None:
         raise StartupError(
-            f"--tls_cert {cert} and --tls_key {key} are not a PEM certificate and its private key "
-            f"({error.reason or error})"
-        ) from None
-    if client_ca:
-        try:
-            context.load_verify_locations(client_ca)
-        except ssl.SSLError as error:
-            raise StartupError(
-                f"--tls_client_ca {client_ca} is not a PEM CA bundle ({error.reason or error})"
-            ) from None
+            f"--tls_cert {cert} and --tls_key {key} are not a PEM certificate and its private key ({reason})"
+        )
+    if client_ca and (reason := ca_error(client_ca)) is not None:
+        raise StartupError(f"--tls_client_ca {client_ca} is not a PEM CA bundle ({reason})")
 
 
 def _check_can_listen(host: str, port: int, flag: str) -> None:

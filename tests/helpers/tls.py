@@ -88,3 +88,10 @@ def make_pki(directory: Path) -> Pki:
     client = _make_leaf(directory, "client", ca, leaf + "extendedKeyUsage=clientAuth\n")
     rogue = _make_leaf(directory, "rogue-client", rogue_ca, leaf + "extendedKeyUsage=clientAuth\n")
     return Pki(ca=ca.cert, server=server, client=client, rogue_client=rogue)
+
+
+def encrypted_key(key: Path, directory: Path) -> Path:
+    """A copy of `key` protected by a pass phrase (which nothing here can give)."""
+    target = directory / f"encrypted-{key.name}"
+    _openssl("pkey", "-in", key, "-out", target, "-aes256", "-passout", "pass:not-given")
+    return target

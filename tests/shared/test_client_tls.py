@@ -24,9 +24,10 @@ from services.model_registry.client.api import ModelRegistryClient
 from shared.api import datalog_pb2_grpc
 from shared.channel import ClientTls
 from shared.client import ClientError
+from shared.tls_files import ENCRYPTED_KEY
 from tests.helpers.datastore import datalog_inputs, full_trial, trial_params
 from tests.helpers.services import PROJECT_ROOT, RunningService, clean_environment, start_service
-from tests.helpers.tls import Pki, make_pki, openssl_available
+from tests.helpers.tls import Pki, encrypted_key, make_pki, openssl_available
 
 COGMENT_AUX = shutil.which("cogment-aux", path=str(Path(sys.executable).parent))
 
@@ -331,6 +332,7 @@ def test_tls_files_that_cannot_be_used_are_one_line_naming_them(
     missing = tmp_path / "missing.pem"
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("not a certificate\n")
+    encrypted = encrypted_key(pki.client.key, tmp_path)
     cases = [
         (["--tls_ca", str(missing)], f"Error: cannot read [{missing}]: No such file or directory"),
         (["--tls_ca", str(tmp_path)], f"Error: cannot read [{tmp_path}]: Is a directory"),
@@ -343,6 +345,9 @@ def test_tls_files_that_cannot_be_used_are_one_line_naming_them(
          f"Error: [{not_pem}] is not the PEM private key of the certificate [{pki.client.cert}]"),
         (["--tls_ca", str(pki.ca), "--tls_cert", str(pki.client.cert), "--tls_key", str(pki.server.key)],
          f"Error: [{pki.server.key}] is not the PEM private key of the certificate [{pki.client.cert}]"),
+        # OpenSSL would ask for its pass phrase on the terminal, and wait.
+        (["--tls_ca", str(pki.ca), "--tls_cert", str(pki.client.cert), "--tls_key", str(encrypted)],
+         f"Error: [{encrypted}]: {ENCRYPTED_KEY}"),
     ]  # fmt: skip
     for flags, message in cases:
         result = run(client, *client.command, *flags)

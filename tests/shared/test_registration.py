@@ -16,8 +16,10 @@ from structlog.testing import capture_logs
 
 import shared.registration as registration_module
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
+from shared.channel import ClientTls
 from shared.config import parse_options
 from shared.endpoints import ServiceType, parse_grpc_endpoint
+from shared.errors import StartupError
 from shared.registration import (
     SOURCE_COMMAND_LINE,
     SOURCE_IMPLICIT,
@@ -50,6 +52,24 @@ def registration_from(
     return DirectoryRegistration.from_settings(
         settings, service_types, bind_address=values.get("bind_address", ""), ssl=bool(values.get("tls_cert"))
     )
+
+
+def test_a_client_certificate_without_its_key_stops_the_start() -> None:
+    """A configuration error, said as one, not a traceback; a certificate alone asks for TLS."""
+    with pytest.raises(StartupError, match="--directory_tls_cert and --directory_tls_key go together"):
+        registration_from(
+            {"directory_endpoint": "grpc://127.0.0.1:9005", "directory_tls_cert": "client.pem"},
+            [MODEL_REGISTRY],
+        )
+    registration = registration_from(
+        {
+            "directory_endpoint": "grpc://127.0.0.1:9005",
+            "directory_tls_cert": "c.pem",
+            "directory_tls_key": "c.key",
+        },
+        [MODEL_REGISTRY],
+    )
+    assert registration.directory_tls == ClientTls("", "c.pem", "c.key")
 
 
 @pytest.fixture

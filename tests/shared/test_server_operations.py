@@ -41,7 +41,7 @@ from shared.version import COGMENT_API_VERSION
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import run_in_process
 from tests.helpers.services import PROJECT_ROOT, RunningService, clean_environment, start_service
-from tests.helpers.tls import KeyPair, Pki, make_pki, openssl_available
+from tests.helpers.tls import KeyPair, Pki, encrypted_key, make_pki, openssl_available
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -958,6 +958,10 @@ def test_bad_tls_files_are_named_as_such(tmp_path: Path) -> None:
                 str(not_pem),
             ],
             "is not a PEM CA bundle",
+        ),
+        (
+            ["--tls_cert", str(pki.server.cert), "--tls_key", str(encrypted_key(pki.server.key, tmp_path))],
+            "the private key is encrypted (pass-phrase protected), which grpc cannot use",
         ),
     ]
     for flags, message in cases:
