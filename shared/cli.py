@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO, Generic, TextIO, TypeVar
 
@@ -238,6 +239,34 @@ def _discard_standard_output(out: TextIO) -> None:
         os.close(devnull)
 
 
+def run_to_exit_status(run: Callable[[], Coroutine[Any, Any, None]], out: TextIO, err: TextIO) -> int:
+    """Run the coroutine `run` makes, then flush `out`; the program's exit status: 0, 1 on a
+    ClientError (printed on `err` as one line, `Error: ...`), 130 when interrupted, 141 when the
+    reader of `out` went away (`| head`)."""
+    try:
+        asyncio.run(run())
+        out.flush()  # here, where a closed output is handled, not at exit
+    except ClientError as error:
+        print(f"Error: {error}", file=err)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # Stop quietly, with the status of a program that SIGPIPE ended.
+        _discard_standard_output(out)
+        return 128 + signal.SIGPIPE
+    return 0
+
+
+def tls_flags(client: ServiceClient) -> list[str]:
+    """The TLS flags (`--tls_ca`, `--tls_cert`, `--tls_key`) of the TLS `client` connects with,
+    for a command that reaches the same service; none for plaintext or the system's CAs alone."""
+    if client.tls is None:
+        return []
+    paths = (("tls_ca", client.tls.ca), ("tls_cert", client.tls.cert), ("tls_key", client.tls.key))
+    return [word for name, path in paths if path for word in (f"--{name}", path)]
+
+
 C = TypeVar("C", bound=ServiceClient)
 
 
@@ -358,20 +387,7 @@ class ClientProgram(Generic[C]):
         values.update({positional.name: getattr(args, positional.name) for positional in command.positionals})
         check_tls(values, subparser.error)
         command.check(values, subparser.error)
-        try:
-            asyncio.run(self._execute(command, values, out, err))
-            out.flush()  # here, where a closed output is handled, not at exit
-        except ClientError as error:
-            print(f"Error: {error}", file=err)
-            return 1
-        except KeyboardInterrupt:
-            return 130
-        except BrokenPipeError:
-            # The reader of the output went away (`| head`): stop quietly, with the status of a
-            # program that SIGPIPE ended.
-            _discard_standard_output(out)
-            return 128 + signal.SIGPIPE
-        return 0
+        return run_to_exit_status(functools.partial(self._execute, command, values, out, err), out, err)
 
     def _attach_dashed_values(self, argv: Sequence[str]) -> list[str]:
         """`--flag -value` as `--flag=-value` for the text flags: argparse takes a word that

@@ -24,27 +24,31 @@ Each service is skipped when its endpoint is empty (`--model_registry_endpoint "
 variable set to an empty value); by default all three are used, at the quick start's ports.
 
 Exit codes: 0 success; 1 failure (a service that cannot be reached or refuses a call: one line
-`Error: ...` naming it); 2 invalid flags or environment variables; 130 interrupted.
+`Error: ...` naming it); 2 invalid flags or environment variables; 130 interrupted; 141 output
+closed before everything was written (`| head`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
 import contextlib
 import json
+import os
 import re
 import secrets
 import shlex
-import signal
 import sys
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO, TypeVar
 
+# Read by grpc when it is first imported: its core's own log lines (a failed TLS handshake, at
+# info level) would come above the one line the demo prints for a failure, saying more.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import grpc
 
+from services.cli import CLIENTS
 from services.datastore.client.api import DEFAULT_ENDPOINT as DATASTORE_ENDPOINT
 from services.datastore.client.api import DatastoreClient
 from services.demo.orchestration import ENVIRONMENT_IMPLEMENTATION, TrialPlan, players_of
@@ -62,7 +66,7 @@ from services.demo.world import GRID_SIZE, trial_seed
 from services.directory.client.api import DEFAULT_ENDPOINT as DIRECTORY_ENDPOINT
 from services.directory.client.api import DirectoryClient
 from services.model_registry.client.api import DEFAULT_ENDPOINT as REGISTRY_ENDPOINT
-from services.model_registry.client.api import ModelRegistryClient
+from services.model_registry.client.api import ModelRegistryClient, hash_hex
 from shared.api import common_pb2, directory_pb2
 from shared.cli import (
     CONSOLE_OUTPUT_OPTION,
@@ -73,11 +77,13 @@ from shared.cli import (
     check_tls,
     endpoint_arg,
     make_progress,
+    run_to_exit_status,
     timeout_option,
+    tls_flags,
     tls_of,
 )
 from shared.client import ClientError, ServiceClient
-from shared.config import Option, add_options, non_negative_float, non_negative_int, positive_int, resolve
+from shared.config import Option, build_parser, non_negative_float, non_negative_int, positive_int, resolve
 from shared.endpoints import GrpcEndpoint, format_properties
 
 PROG = "python -m services.demo"
@@ -123,7 +129,8 @@ endpoint is empty (--model_registry_endpoint ''). Running the demo again publish
 (the weights do not change) and updates the environment's directory entry in place.
 
 Exit codes: 0 success, 1 failure (a service that cannot be reached or refuses: one line naming
-it), 2 invalid usage, 130 interrupted."""
+it), 2 invalid usage, 130 interrupted, 141 output closed before everything was written (e.g. by
+`| head`)."""
 SKIP = "an empty value skips it"
 OPTIONS: list[Option] = [
     Option(
@@ -388,23 +395,18 @@ async def run_demo(values: Values, prog: str, err: TextIO) -> DemoReport:
         trials = None
         if recorder is not None:
             trials = await _record(recorder, values, trial_ids, seed, properties, model, err)
-    return DemoReport(
-        run_id, trials, model, environment, next_commands(values, prog, trials, model, environment)
-    )
+        commands = next_commands(values, prog, clients, trials, model, environment)
+    return DemoReport(run_id, trials, model, environment, commands)
 
 
 # ---- what to try next ----
 
 
 def _client_command(prog: str, service: str) -> str:
-    """How to run a service's client, as the demo was run (`cogment-aux` or `python -m`)."""
+    """How to run a service's client (`service` as `cogment-aux client` names it), as the demo was
+    run (`cogment-aux` or `python -m`)."""
     if prog.startswith("python -m"):
-        module = {
-            "trial_datastore": "datastore",
-            "model_registry": "model_registry",
-            "directory": "directory",
-        }
-        return f"python -m services.{module[service]}.client"
+        return f"python -m {CLIENTS[service].module.removesuffix('.__main__')}"
     return f"{prog.split()[0]} client {service}"
 
 
@@ -412,28 +414,26 @@ def _quoted(word: str) -> str:
     return word if _SHELL_SAFE.fullmatch(word) else shlex.quote(word)
 
 
-def _connection_flags(values: Values, option: str, default: GrpcEndpoint, flag: str) -> list[str]:
-    """The flags a client needs to reach the service the demo reached: its endpoint when not the
-    default, and the TLS flags given."""
-    flags = [] if values[option] == default else [flag, str(values[option])]
-    for name in ("tls_ca", "tls_cert", "tls_key"):
-        if values[name]:
-            flags += [f"--{name}", values[name]]
-    return flags
+def _connection_flags(client: ServiceClient, endpoint_flag: str) -> list[str]:
+    """The flags a command-line client needs to reach the service `client` reached: its endpoint
+    (`endpoint_flag`) when not the default, and its TLS flags."""
+    endpoint = [] if client.endpoint == client.default_endpoint else [endpoint_flag, client.endpoint.url]
+    return [*endpoint, *tls_flags(client)]
 
 
 def next_commands(
     values: Values,
     prog: str,
+    clients: Clients,
     trials: TrialsReport | None,
     model: ModelReport | None,
     environment: EnvironmentReport | None,
 ) -> list[str]:
-    """Commands that show what the run recorded, published and registered."""
+    """Commands that show what the run recorded, published and registered, through `clients`."""
     commands = []
-    if trials is not None:
+    if trials is not None and clients.datastore is not None:
         client = _client_command(prog, "trial_datastore")
-        flags = _connection_flags(values, "trial_datastore_endpoint", DATASTORE_ENDPOINT, "--endpoint")
+        flags = _connection_flags(clients.datastore, "--endpoint")
         listing = [
             "list_trials",
             "--properties",
@@ -452,13 +452,13 @@ def next_commands(
             selection = " ".join(map(_quoted, ids))
         export = ["--format", "parquet", "--file", DEFAULT_DATASET_DIRECTORY, *flags]
         commands.append(f"{client} export {selection} {' '.join(map(_quoted, export))}{note}")
-    if model is not None:
+    if model is not None and clients.registry is not None:
         client = _client_command(prog, "model_registry")
-        flags = _connection_flags(values, "model_registry_endpoint", REGISTRY_ENDPOINT, "--endpoint")
+        flags = _connection_flags(clients.registry, "--endpoint")
         commands.append(" ".join([client, *map(_quoted, ["list_versions", model.model_id, *flags])]))
-    if environment is not None:
+    if environment is not None and clients.directory is not None:
         client = _client_command(prog, "directory")
-        flags = _connection_flags(values, "directory_endpoint", DIRECTORY_ENDPOINT, "--directory_endpoint")
+        flags = _connection_flags(clients.directory, "--directory_endpoint")
         inquiry = [
             "inquire",
             "--type",
@@ -471,10 +471,6 @@ def next_commands(
 
 
 # ---- output ----
-
-
-def _hex(data_hash: str) -> str:
-    return base64.b64decode(data_hash).hex()
 
 
 def print_report(report: DemoReport, values: Values, out: TextIO) -> None:
@@ -500,7 +496,7 @@ def print_report(report: DemoReport, values: Values, out: TextIO) -> None:
             what = "published" if version.published else "already there"
             print(
                 f"  version {version.version_number} ({version.stage}) {what}, {version.data_size} bytes, "
-                f"SHA-256 {_hex(version.data_hash)}",
+                f"SHA-256 {hash_hex(version.data_hash)}",
                 file=out,
             )
     if environment is not None:
@@ -533,32 +529,20 @@ def main(
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
-    out = out or sys.stdout
-    err = err or sys.stderr
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(parser, OPTIONS)
+    output = out or sys.stdout
+    errors = err or sys.stderr
+    parser = build_parser(OPTIONS, prog=prog, description=DESCRIPTION, epilog=EPILOG)
     values = resolve(parser, OPTIONS, parser.parse_args(sys.argv[1:] if argv is None else argv), environ)
     _check(values, parser.error)
-    try:
-        report = asyncio.run(run_demo(values, prog, err))
+
+    async def run() -> None:
+        report = await run_demo(values, prog, errors)
         if values["console_output"] == "json":
-            print(json.dumps(report_json(report)), file=out)
+            print(json.dumps(report_json(report)), file=output)
         else:
-            print_report(report, values, out)
-        out.flush()
-    except ClientError as error:
-        print(f"Error: {error}", file=err)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 128 + signal.SIGPIPE
-    return 0
+            print_report(report, values, output)
+
+    return run_to_exit_status(run, output, errors)
 
 
 if __name__ == "__main__":

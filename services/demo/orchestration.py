@@ -1,6 +1,6 @@
 """What the Cogment 2.x orchestrator would log of the demo's trials: their parameters and the
 `DatalogSample`s of their ticks, in the order and shape it sends them on its `DatalogSP` stream
-(`/work/shared/spec/wire-compat.md`; `docs/compatibility.md#datastore-conversion`). Pure: the
+(`docs/compatibility.md`, "Datastore ingestion" and "Datastore conversion"). Pure: the
 messages of a trial are built as its stream asks for them.
 
 How the 2.x orchestrator logs a trial, which the demo follows:

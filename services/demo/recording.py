@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from services.datastore.client.api import DatastoreClient, id_list
+from services.datastore.client.api import TRIAL_ID_METADATA_KEY, DatastoreClient, id_list
 from services.demo.orchestration import TrialCounts, TrialPlan
 from shared.api import datalog_pb2, datalog_pb2_grpc
 from shared.client import ClientError
 
-TRIAL_ID_METADATA_KEY = "trial-id"
 USER_ID_METADATA_KEY = "user-id"
-# Trial ids looked up per RetrieveTrials call before recording (the datastore takes 10,000).
-IDS_PER_LOOKUP = 1000
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,7 @@ class RecordedTrial:
 class _StreamState:
     """Where a trial's datalog stream is, shared by its writer, its reader and its watchdog."""
 
-    last_progress: float  # the event loop's time of the last write or acknowledgement
+    last_progress: float  # the recorder's clock at the last write or acknowledgement
     # Whether each message written and not yet acknowledged is a tick's sample, oldest first.
     unacknowledged: deque[bool] = field(default_factory=deque)
     writing: bool = False  # a write waits for the datastore (flow control)
@@ -73,23 +70,36 @@ def _ignore(_count: int) -> None:
 
 class DatalogRecorder:
     """Records trials through the datastore connection of `datastore`, as user `user_id`, pausing
-    `tick_interval_s` after each tick's sample."""
+    `tick_interval_s` after each tick's sample.
 
-    def __init__(self, datastore: DatastoreClient, user_id: str, tick_interval_s: float = 0.0) -> None:
+    `clock` (seconds; default: the event loop's time) is what a stream's progress is timed with,
+    and `pause` (default: `asyncio.sleep`) how it waits between paced ticks: tests give their own."""
+
+    def __init__(
+        self,
+        datastore: DatastoreClient,
+        user_id: str,
+        tick_interval_s: float = 0.0,
+        *,
+        clock: Callable[[], float] | None = None,
+        pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.datastore = datastore
         self.user_id = user_id
         self.tick_interval_s = tick_interval_s
+        self._clock = clock
+        self._pause = pause
         self._stub = datalog_pb2_grpc.DatalogSPStub(datastore.channel)
+
+    def _now(self) -> Callable[[], float]:
+        """The clock, to call (within the event loop)."""
+        return self._clock or asyncio.get_running_loop().time
 
     async def check_new(self, trial_ids: Sequence[str]) -> None:
         """A ClientError if one of `trial_ids` is stored already: its stream would add samples to
         that trial. (The first call to the datastore: it fails at once when it cannot be reached.)"""
-        existing: list[str] = []
-        for start in range(0, len(trial_ids), IDS_PER_LOOKUP):
-            infos = await self.datastore.trial_infos(trial_ids[start : start + IDS_PER_LOOKUP])
-            existing += [
-                trial_id for trial_id in trial_ids[start : start + IDS_PER_LOOKUP] if trial_id in infos
-            ]
+        stored = await self.datastore.trial_infos(trial_ids)
+        existing = [trial_id for trial_id in trial_ids if trial_id in stored]
         if existing:
             shown = id_list(existing[:5]) + (f" and {len(existing) - 5} more" if len(existing) > 5 else "")
             raise ClientError(
@@ -130,7 +140,7 @@ class DatalogRecorder:
         call = self._stub.RunTrialDatalog(
             metadata=((TRIAL_ID_METADATA_KEY, plan.trial_id), (USER_ID_METADATA_KEY, self.user_id))
         )
-        state = _StreamState(asyncio.get_running_loop().time())
+        state = _StreamState(self._now()())
         writer = asyncio.ensure_future(self._write(call, plan, counts, state))
         reader = asyncio.ensure_future(self._read_acknowledgements(call, state, on_ticks))
         watchdog = asyncio.ensure_future(self._watch(call, state))
@@ -168,22 +178,22 @@ class DatalogRecorder:
     ) -> int:
         """Write the trial's messages, then close the writing side; how many were written (fewer
         than all when the datastore ended the stream first: its status says why)."""
-        loop = asyncio.get_running_loop()
+        now = self._now()
         written = 0
         try:
             for message in plan.datalog_inputs(counts):
                 tick = _is_tick(message)
                 state.unacknowledged.append(tick)
                 state.writing = True
-                state.last_progress = loop.time()
+                state.last_progress = now()
                 await call.write(message)
                 state.writing = False
-                state.last_progress = loop.time()
+                state.last_progress = now()
                 written += 1
                 if tick and self.tick_interval_s:
-                    await asyncio.sleep(self.tick_interval_s)
+                    await self._pause(self.tick_interval_s)
             state.finished_writing = True
-            state.last_progress = loop.time()
+            state.last_progress = now()
             await call.done_writing()
         except asyncio.InvalidStateError:
             pass  # the stream ended
@@ -194,11 +204,11 @@ class DatalogRecorder:
     ) -> int:
         """Read acknowledgements until the datastore ends the stream; how many came (raises the
         stream's error)."""
-        loop = asyncio.get_running_loop()
+        now = self._now()
         acknowledged = 0
         while await call.read() is not grpc.aio.EOF:
             acknowledged += 1
-            state.last_progress = loop.time()
+            state.last_progress = now()
             if state.unacknowledged and state.unacknowledged.popleft():
                 on_ticks(1)
         return acknowledged
@@ -206,11 +216,11 @@ class DatalogRecorder:
     async def _watch(self, call: grpc.aio.StreamStreamCall, state: _StreamState) -> None:
         """End the stream once the datastore has owed it something for longer than the timeout
         (waiting while nothing is owed, between paced ticks, is not a failure)."""
-        loop = asyncio.get_running_loop()
+        now = self._now()
         timeout_s = self.datastore.timeout_s
         while True:
             await asyncio.sleep(timeout_s / 4)
-            if state.waiting and loop.time() - state.last_progress > timeout_s:
+            if state.waiting and now() - state.last_progress > timeout_s:
                 state.stalled = True
                 call.cancel()
                 return

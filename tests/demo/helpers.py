@@ -68,6 +68,16 @@ async def run_demo(suite: Suite, *flags: str, environ: dict[str, str] | None = N
     return Run(code, out.getvalue(), err.getvalue())
 
 
+def command_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A subprocess's environment as a user's shell would give it: none of this process's
+    COGMENT_* variables, nor the GRPC_VERBOSITY that importing the demo set here (the program
+    must set it itself, before grpc loads, to keep grpc's own log lines off its standard error)."""
+    environment = clean_environment(env)
+    if "GRPC_VERBOSITY" not in (env or {}):
+        environment.pop("GRPC_VERBOSITY", None)
+    return environment
+
+
 async def run_command(
     command: Sequence[str], cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -76,7 +86,7 @@ async def run_command(
         subprocess.run,
         list(command),
         cwd=cwd or PROJECT_ROOT,
-        env=clean_environment(env),
+        env=command_environment(env),
         capture_output=True,
         text=True,
         timeout=120,

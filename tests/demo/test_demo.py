@@ -9,15 +9,19 @@ import asyncio
 import base64
 import hashlib
 import io
+import json
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from services.datastore.client.api import DatastoreClient
 from services.datastore.client.cli import main as datastore_cli
-from services.demo.__main__ import OPTIONS, TrialsReport, main, next_commands
+from services.demo.__main__ import OPTIONS, Clients, TrialsReport, main, next_commands
 from services.demo.api import spec_pb2
 from services.demo.orchestration import ENVIRONMENT_IMPLEMENTATION, TrialCounts, TrialPlan, players_of
 from services.demo.publishing import DEFAULT_MODEL_ID, local_policies
@@ -26,9 +30,10 @@ from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, directory_pb2, model_registry_pb2
 from shared.api import trial_datastore_pb2 as ds
 from shared.config import parse_options
-from tests.demo.helpers import Suite, python_module, run_command, run_demo
+from tests.demo.helpers import Suite, command_environment, python_module, run_command, run_demo
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import make_datastore_factory
+from tests.helpers.services import PROJECT_ROOT
 from tests.helpers.tls import make_pki, openssl_available
 
 USER = "the-demo-user"
@@ -310,6 +315,31 @@ async def test_the_installed_command_and_its_text_output(suite: Suite, tmp_path:
     assert (tmp_path / "demo-dataset" / "steps.parquet").exists()
 
 
+async def test_output_closed_early_stops_quietly_with_141(suite: Suite) -> None:
+    """`cogment-aux demo | head -1`, its reader gone before the report is written: exit status
+    141, as a program SIGPIPE ended, and nothing on standard error (Python flushes standard output
+    again at exit, which would print "Exception ignored ... BrokenPipeError"). The trials are
+    recorded all the same."""
+    command = python_module("services.demo", *suite.endpoint_flags(), "--trials", "1", "--ticks", "3")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `head` exits after its line: every later write fails
+    try:
+        result = await asyncio.to_thread(
+            subprocess.run,
+            command,
+            cwd=PROJECT_ROOT,
+            env=command_environment(),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
+    assert len((await suite.datastore.stub.RetrieveTrials(ds.RetrieveTrialsRequest())).trial_infos) == 1
+
+
 async def test_tls_flags_reach_a_datastore_serving_tls(tmp_path: Path) -> None:
     if not openssl_available():
         pytest.skip("openssl is needed to make certificates")
@@ -324,12 +354,16 @@ async def test_tls_flags_reach_a_datastore_serving_tls(tmp_path: Path) -> None:
         secure = ["--trial_datastore_endpoint", f"grpcs://localhost:{port}", "--tls_ca", str(pki.ca)]
         out, err = io.StringIO(), io.StringIO()
         assert await asyncio.to_thread(main, [*secure, *flags], "demo", {}, out, err) == 0, err.getvalue()
-        assert '"ticks": 4' in out.getvalue()
-        # Plaintext against it: one line, saying what to change.
-        out, err = io.StringIO(), io.StringIO()
+        report = json.loads(out.getvalue())
+        assert report["trials"]["ticks"] == 4
+        # The suggested commands reach it as the demo did.
+        assert report["next_commands"][0].endswith(f" --endpoint grpcs://localhost:{port} --tls_ca {pki.ca}")
+        # Plaintext against it, as a user runs it (grpc's own log lines would go to the process's
+        # standard error): one line, saying what to change.
         plain = ["--trial_datastore_endpoint", f"grpc://localhost:{port}"]
-        assert await asyncio.to_thread(main, [*plain, *flags], "demo", {}, out, err) == 1
-        (line,) = err.getvalue().splitlines()
+        result = await run_command(python_module("services.demo", *plain, *flags))
+        assert (result.returncode, result.stdout) == (1, "")
+        (line,) = result.stderr.splitlines()
         assert line.startswith(f"Error: cannot reach the trial datastore at grpc://localhost:{port} (")
         assert "--tls_ca" in line
 
@@ -339,23 +373,25 @@ def summary_of(trial_ids: list[str]) -> TrialsReport:
     return TrialsReport("grpc://localhost:9003", "u", 1, trial_ids, properties, 5, 3, 0, 0, 0, 0)
 
 
-def test_the_suggested_export_names_every_trial() -> None:
+async def test_the_suggested_export_names_every_trial() -> None:
     values = parse_options(OPTIONS, [], prog="demo", description="", environ={})
     many = [f"demo-r-{index}" for index in range(12)]
-    (_, export) = next_commands(values, "cogment-aux demo", summary_of(many), None, None)
+    async with DatastoreClient() as datastore:
+        clients = Clients(datastore, None, None)
+        (_, export) = next_commands(values, "cogment-aux demo", clients, summary_of(many), None, None)
     assert export == (
         "cogment-aux client trial_datastore export demo-r-{0..11} --format parquet --file demo-dataset"
         "  # bash and zsh expand {a..b} into every trial id"
     )
     values = parse_options(
-        OPTIONS,
-        ["--trial_id_prefix", "my trial ", "--trial_datastore_endpoint", "grpcs://store:443"],
-        prog="demo",
-        description="",
-        environ={},
+        OPTIONS, ["--trial_id_prefix", "my trial "], prog="demo", description="", environ={}
     )
     odd = [f"my trial {index}" for index in range(12)]
-    (listing, export) = next_commands(values, "python -m services.demo", summary_of(odd), None, None)
+    async with DatastoreClient("grpcs://store:443") as datastore:
+        clients = Clients(datastore, None, None)
+        (listing, export) = next_commands(
+            values, "python -m services.demo", clients, summary_of(odd), None, None
+        )
     assert listing.startswith("python -m services.datastore.client list_trials ")
     assert shlex.split(export) == [
         "python", "-m", "services.datastore.client", "export", *odd,

@@ -12,7 +12,11 @@ from typing import Any
 import grpc
 import pytest
 
+from services.datastore.client.api import DatastoreClient
 from services.demo.__main__ import main
+from services.demo.orchestration import TrialPlan, players_of
+from services.demo.publishing import DEFAULT_MODEL_ID, local_policies
+from services.demo.recording import DatalogRecorder
 from shared.api import datalog_pb2, trial_datastore_pb2
 
 SKIP_OTHERS = ["--model_registry_endpoint", "", "--directory_endpoint", ""]
@@ -146,14 +150,46 @@ async def test_a_failed_stream_fails_the_run_with_its_status(acknowledged: int) 
         await server.stop(None)
 
 
+class StoppedClock:
+    """A recorder's clock that stands still but when a test moves it on: a slow machine's delays
+    never show on it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_paced_ticks_wait_without_failing() -> None:
-    """Waiting between paced ticks, nothing owed, is no stall, even past the timeout."""
+    """Waiting between paced ticks, nothing owed, is no stall, even far past the timeout. Each
+    pause waits for its tick's acknowledgement (nothing is owed then), moves the recorder's clock
+    on by the tick interval, 100 times the timeout, and lets the watchdog look (it does every
+    quarter of the timeout)."""
     servicer = StandInDatastore(acknowledged=10**6)
     server, port = await serve(servicer)
+    datastore = DatastoreClient(f"grpc://127.0.0.1:{port}", timeout_s=0.2)
+    clock = StoppedClock()
+    acknowledged = asyncio.Semaphore(0)
+    pauses = 0
+
+    def on_ticks(count: int) -> None:
+        for _ in range(count):
+            acknowledged.release()
+
+    async def pause(seconds: float) -> None:
+        nonlocal pauses
+        await acknowledged.acquire()  # the tick's sample acknowledged: nothing is owed
+        clock.now += seconds
+        pauses += 1
+        await asyncio.sleep(0.2)  # the watchdog's turn
+
+    recorder = DatalogRecorder(datastore, "u", tick_interval_s=20.0, clock=clock, pause=pause)
+    plan = TrialPlan("paced", 1, 3, players_of(0, 2, local_policies(DEFAULT_MODEL_ID)))
     try:
-        flags = ["--trials", "1", "--ticks", "3", "--tick_interval", "0.3", "--timeout", "0.2"]
-        code, out, err = await run(port, *flags, "--console_output", "json")
-        assert code == 0, err
-        assert '"ticks": 3' in out
+        recorded = await recorder.record(plan, on_ticks)
+        assert (recorded.ticks, pauses, clock.now) == (3, 3, 60.0)
+        await wait_closed(servicer)
     finally:
+        await datastore.close()
         await server.stop(None)

@@ -32,6 +32,7 @@ from services.datastore.client.api import DEFAULT_ENDPOINT, TRIAL_ID_METADATA_KE
 from services.datastore.client.trial_file import TrialFileError, TrialFileReader, TrialFileWriter, file_header
 from shared.api import common_pb2, trial_datastore_pb2
 from shared.channel import ClientTls
+from shared.cli import tls_flags
 from shared.client import DEFAULT_TIMEOUT_S, ClientError
 
 DEFAULT_IMPORT_USER_ID = "cogment CLI"
@@ -292,12 +293,8 @@ async def _delete_created(client: DatastoreClient, created: Sequence[str]) -> st
 
 def _connection_flags(client: DatastoreClient) -> list[str]:
     """The command line's flags that reach the datastore `client` reaches."""
-    flags = [] if client.endpoint == DEFAULT_ENDPOINT else ["--endpoint", client.endpoint.url]
-    if client.tls is not None:
-        for name, path in (("ca", client.tls.ca), ("cert", client.tls.cert), ("key", client.tls.key)):
-            if path:
-                flags += [f"--tls_{name}", path]
-    return flags
+    endpoint = [] if client.endpoint == DEFAULT_ENDPOINT else ["--endpoint", client.endpoint.url]
+    return [*endpoint, *tls_flags(client)]
 
 
 class TrialImporter:
