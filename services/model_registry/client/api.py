@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import io
 import os
+import secrets
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -287,27 +288,30 @@ class ModelRegistryClient(ServiceClient):
         """Stream the header then `size` bytes of `source` in 2 MiB chunks; the reply."""
         call = self.stub.CreateVersion()
         try:
-            await self.within_timeout(call.write(header), call)
-            digest = hashlib.sha256()
-            sent = 0
-            while sent < size:
-                chunk = await asyncio.to_thread(source.read, min(CHUNK_SIZE, size - sent))
-                if not chunk:
-                    break
-                digest.update(chunk)
-                message = model_registry_pb2.CreateVersionRequestChunk(
-                    body=model_registry_pb2.CreateVersionRequestChunk.Body(data_chunk=chunk)
-                )
-                await self.within_timeout(call.write(message), call)
-                sent += len(chunk)
-                on_bytes(len(chunk))
-            if sent != size or base64.b64encode(digest.digest()).decode("ascii") != data_hash:
-                call.cancel()
-                raise ClientError("the data changed while it was being uploaded; no version was created")
-            await self.within_timeout(call.done_writing(), call)
-        except asyncio.InvalidStateError:
-            pass  # the registry ended the call early: its status says why
-        reply: model_registry_pb2.CreateVersionReply = await self.within_timeout(call, call)
+            try:
+                await self.within_timeout(call.write(header), call)
+                digest = hashlib.sha256()
+                sent = 0
+                while sent < size:
+                    chunk = await asyncio.to_thread(source.read, min(CHUNK_SIZE, size - sent))
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+                    message = model_registry_pb2.CreateVersionRequestChunk(
+                        body=model_registry_pb2.CreateVersionRequestChunk.Body(data_chunk=chunk)
+                    )
+                    await self.within_timeout(call.write(message), call)
+                    sent += len(chunk)
+                    on_bytes(len(chunk))
+                if sent != size or base64.b64encode(digest.digest()).decode("ascii") != data_hash:
+                    raise ClientError("the data changed while it was being uploaded; no version was created")
+                await self.within_timeout(call.done_writing(), call)
+            except asyncio.InvalidStateError:
+                pass  # the registry ended the call early: its status says why
+            reply: model_registry_pb2.CreateVersionReply = await self.within_timeout(call, call)
+        except BaseException:
+            call.cancel()  # the source failed, or the caller gave up: no upload is left half-done
+            raise
         return reply
 
     # ---- fetching ----
@@ -331,28 +335,23 @@ class ModelRegistryClient(ServiceClient):
         if await asyncio.to_thread(target.is_dir):
             raise ClientError(f"cannot write [{target}]: it is a directory")
         try:
-            temporary = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed below, renamed on success)
-                mode="wb", dir=target.parent, prefix=f".{target.name}.", suffix=".part", delete=False
-            )
+            temporary, partial = await asyncio.to_thread(_new_file_beside, target)
         except OSError as error:
             raise ClientError(f"cannot write [{target}]: {error.strerror or error}") from None
-        # The temporary file is private (0600): give the target the usual permissions.
-        with contextlib.suppress(OSError):
-            os.chmod(temporary.fileno(), 0o666 & ~_current_umask())
         completed = False
         try:
             with temporary:
                 await self.receive_version(info, temporary, on_bytes)
                 temporary.flush()
                 await asyncio.to_thread(os.fsync, temporary.fileno())
-            os.replace(temporary.name, target)
+            os.replace(partial, target)
             completed = True
         except OSError as error:
             raise ClientError(f"cannot write [{target}]: {error.strerror or error}") from None
         finally:
             if not completed:
                 with contextlib.suppress(OSError):
-                    os.unlink(temporary.name)
+                    os.unlink(partial)
         return info
 
     async def receive_version(
@@ -377,7 +376,6 @@ class ModelRegistryClient(ServiceClient):
                 data = chunk.data_chunk
                 received += len(data)
                 if received > info.data_size:
-                    call.cancel()
                     raise ClientError(
                         f"the data of {what} is larger than its size [{info.data_size}]; download discarded"
                     )
@@ -388,6 +386,8 @@ class ModelRegistryClient(ServiceClient):
             if error.code() == grpc.StatusCode.NOT_FOUND:
                 raise ClientError(f"{what} not found") from None
             raise
+        finally:
+            call.cancel()  # a failed write or a caller that gave up: stop the download (once done, a no-op)
         if received != info.data_size:
             raise ClientError(
                 f"received {received} bytes of {what} instead of {info.data_size}; download discarded"
@@ -399,7 +399,13 @@ class ModelRegistryClient(ServiceClient):
             )
 
 
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _new_file_beside(target: Path) -> tuple[IO[bytes], Path]:
+    """A new file, opened for writing, beside `target` (`.<name>.<random>.part`), with the
+    permissions a new file gets there: 0666 less the umask, which `tempfile` would not give."""
+    while True:
+        partial = target.with_name(f".{target.name}.{secrets.token_hex(6)}.part")
+        try:
+            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        return os.fdopen(descriptor, "wb"), partial
