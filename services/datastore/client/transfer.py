@@ -50,6 +50,15 @@ REWARD_FIELDS = (
     trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_REWARD,
     trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_RECEIVED_REWARDS,
 )
+# AddTrial failures after which the trial may exist all the same: the answer, not the call, was lost.
+_ANSWER_MAY_BE_LOST = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
 # Told how many more samples (or bytes) are done.
 OnProgress = Callable[[int], None]
 
@@ -106,7 +115,7 @@ async def export_dataset(
     on_sample: OnProgress = _ignore,
 ) -> tuple[int, int]:
     """Write the Parquet dataset of the first `counts[trial]` samples of each trial into
-    `directory` (services.datastore.dataset); (samples read, step rows written). The files
+    `directory` (services.datastore.client.dataset); (samples read, step rows written). The files
     appear once complete; a failed export leaves none."""
     interrupted = await client.interrupted_trials(list(counts))
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
@@ -223,7 +232,9 @@ async def import_trials(
     datastore refusing or going away) deletes the trials it created, so that none is left
     half-imported (listed RUNNING forever, and in the way of the next attempt); the ClientError
     says so, or, when they could not be deleted, which trials are incomplete and the command
-    that deletes them. Cancelled, it deletes them too, then raises CancelledError saying so."""
+    that deletes them. Cancelled, it deletes them too, then raises CancelledError saying so.
+    (AddTrial creates or updates: a trial of one of these ids created by someone else between the
+    check and the import's AddTrial would be taken for the import's.)"""
     try:
         header = await asyncio.to_thread(reader.read_header)
     except TrialFileError as error:
@@ -313,8 +324,8 @@ class TrialImporter:
         self._prefix = prefix
         self._user_id = user_id
         self.counts: dict[str, int] = {}  # imported trial id → samples added
-        # Every trial id this import asked to create, in order (an AddTrial whose answer was lost
-        # may have created its trial all the same).
+        # Every trial id this import created, in order, and those whose AddTrial's answer was lost
+        # (it may have created its trial all the same); not those the datastore refused.
         self.created: list[str] = []
         self._calls: OrderedDict[str, grpc.aio.StreamUnaryCall] = OrderedDict()  # least recent first
 
@@ -340,12 +351,20 @@ class TrialImporter:
             raise ClientError(
                 f"read a sample of trial [{file_trial_id}], whose parameters are missing from the file"
             )
+        try:
+            await self._client.stub.AddTrial(
+                trial_datastore_pb2.AddTrialRequest(user_id=self._user_id, trial_params=params),
+                metadata=((TRIAL_ID_METADATA_KEY, trial_id),),
+                timeout=self._client.timeout_s,
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() in _ANSWER_MAY_BE_LOST:
+                self.created.append(trial_id)
+            raise
+        except asyncio.CancelledError:
+            self.created.append(trial_id)  # sent: it may have been created
+            raise
         self.created.append(trial_id)
-        await self._client.stub.AddTrial(
-            trial_datastore_pb2.AddTrialRequest(user_id=self._user_id, trial_params=params),
-            metadata=((TRIAL_ID_METADATA_KEY, trial_id),),
-            timeout=self._client.timeout_s,
-        )
         self.counts[trial_id] = 0
 
     async def _call(self, trial_id: str) -> grpc.aio.StreamUnaryCall:
