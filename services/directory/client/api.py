@@ -90,7 +90,8 @@ class DirectoryClient(ServiceClient):
     async def wait_for_ready(self) -> None:
         """Inquire for service id 0 (which never exists, answered at once) as soon as the
         directory can be reached, until the timeout. In vain, a ClientError says why the last
-        connection attempt failed (a TLS server met in plaintext...) when it can tell."""
+        connection attempt failed (a TLS server met in plaintext...) when it can tell, after one
+        more attempt of at most LAST_ATTEMPT_S."""
         request = directory_pb2.InquireRequest(service_id=0)
         try:
             await self.inquire(request, wait_for_ready=True)
@@ -100,10 +101,13 @@ class DirectoryClient(ServiceClient):
             # A waiting call ends with the deadline only, whatever kept it from connecting: one
             # call that does not wait fails with the connection's own error (or is answered: the
             # directory is ready after all).
+            last_attempt = self._stub.Inquire(request, metadata=self._metadata, timeout=LAST_ATTEMPT_S)
             try:
-                await self._stub.Inquire(request, metadata=self._metadata, timeout=LAST_ATTEMPT_S).read()
+                await last_attempt.read()
             except grpc.aio.AioRpcError as last:
                 if last.code() != grpc.StatusCode.UNAVAILABLE:
                     raise error from None
                 details = last.details() or ""
                 raise ClientError(f"{self.no_answer()} ({details}){self.transport_hint(details)}") from None
+            finally:
+                last_attempt.cancel()  # answered: a stream of no entries, not read to its end
