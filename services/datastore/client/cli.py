@@ -246,6 +246,8 @@ async def run_export(context: DatastoreContext) -> None:
     client, values = context.client, context.values
     if values["format"] == PARQUET_FORMAT:
         require_dataset_extra()
+        if values["file"] in ("", STDIO):
+            raise ClientError(f"--format {PARQUET_FORMAT} writes a directory: give it with --file")
     elif values["file"] in ("", STDIO) and context.out.isatty():
         # Bytes that would garble the terminal, and that nobody can use there.
         raise ClientError("the export is binary: give --file PATH, or redirect standard output")
@@ -312,8 +314,6 @@ async def run_dataset_export(
     target: str,
     progress: Progress,
 ) -> None:
-    if target in ("", STDIO):
-        raise ClientError(f"--format {PARQUET_FORMAT} writes a directory: give it with --file")
     directory = Path(target)
     completed = False
     try:
