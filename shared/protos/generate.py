@@ -106,30 +106,35 @@ def generate_into(proto_set: ProtoSet, target: Path) -> None:
                 (target / produced.name).write_text(text)
 
 
-def _generated_files(directory: Path, proto_set: ProtoSet) -> list[str]:
-    """The set's modules in `directory`: those named after its protos."""
-    stems = {proto.stem for proto in proto_set.protos}
-    return sorted(
-        p.name
-        for p in directory.iterdir()
-        if p.name.endswith(GENERATED_SUFFIXES) and p.name.split("_pb2")[0] in stems
-    )
+def _by_output() -> dict[Path, list[ProtoSet]]:
+    """The sets writing into each output folder."""
+    outputs: dict[Path, list[ProtoSet]] = {}
+    for proto_set in PROTO_SETS:
+        outputs.setdefault(proto_set.output, []).append(proto_set)
+    return outputs
+
+
+def _generated_files(directory: Path) -> list[str]:
+    """Every generated module in `directory`, those of protos since removed included."""
+    if not directory.exists():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
 def check() -> int:
     drifted: list[str] = []
-    for proto_set in PROTO_SETS:
+    for output, proto_sets in _by_output().items():
         with tempfile.TemporaryDirectory() as fresh_dir:
             fresh = Path(fresh_dir)
-            generate_into(proto_set, fresh)
-            expected = sorted(p.name for p in fresh.iterdir())
-            committed = _generated_files(proto_set.output, proto_set)
-            output = proto_set.output.relative_to(PROJECT_ROOT)
-            drifted += [f"{output}/{name}" for name in sorted(set(expected) ^ set(committed))]
+            for proto_set in proto_sets:
+                generate_into(proto_set, fresh)
+            expected, committed = _generated_files(fresh), _generated_files(output)
+            where = output.relative_to(PROJECT_ROOT)
+            drifted += [f"{where}/{name}" for name in sorted(set(expected) ^ set(committed))]
             drifted += [
-                f"{output}/{name}"
+                f"{where}/{name}"
                 for name in expected
-                if name in committed and not filecmp.cmp(fresh / name, proto_set.output / name, shallow=False)
+                if name in committed and not filecmp.cmp(fresh / name, output / name, shallow=False)
             ]
     if drifted:
         print("generated protobuf code is out of date: " + ", ".join(drifted), file=sys.stderr)
@@ -144,10 +149,11 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if the generated code drifted")
     if parser.parse_args().check:
         return check()
-    for proto_set in PROTO_SETS:
-        for stale in _generated_files(proto_set.output, proto_set) if proto_set.output.exists() else []:
-            (proto_set.output / stale).unlink()
-        generate_into(proto_set, proto_set.output)
+    for output, proto_sets in _by_output().items():
+        for stale in _generated_files(output):
+            (output / stale).unlink()
+        for proto_set in proto_sets:
+            generate_into(proto_set, output)
     return 0
 
 
