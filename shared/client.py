@@ -48,9 +48,6 @@ class ServiceClient:
     service: ClassVar[str]
     # Where the quick start serves it (for the hint given when another service answers).
     default_endpoint: ClassVar[GrpcEndpoint]
-    # Whether calls wait for the service to be reachable (gRPC wait-for-ready): UNAVAILABLE is
-    # then the service's own answer, not a sign that it cannot be reached.
-    waits_for_ready: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -99,7 +96,7 @@ class ServiceClient:
     def describe_rpc_error(self, error: grpc.aio.AioRpcError, command: str) -> str:
         code = error.code()
         details = error.details() or ""
-        if code == grpc.StatusCode.UNAVAILABLE and not self.waits_for_ready:
+        if code == grpc.StatusCode.UNAVAILABLE:
             hint = self.transport_hint(details)
             return f"cannot reach the {self.service} at {self.endpoint} ({details}){hint}"
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -19,10 +19,17 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 
 import grpc
 
-from shared.api import trial_datastore_pb2, trial_datastore_pb2_grpc, trial_status_pb2, trial_status_pb2_grpc
+from shared.api import (
+    common_pb2,
+    trial_datastore_pb2,
+    trial_datastore_pb2_grpc,
+    trial_status_pb2,
+    trial_status_pb2_grpc,
+)
 from shared.channel import ClientTls
 from shared.client import DEFAULT_TIMEOUT_S, ClientError, ServiceClient
 from shared.endpoints import GrpcEndpoint
+from shared.validation import utf8_size
 
 DEFAULT_ENDPOINT = GrpcEndpoint("localhost", 9003)
 TRIAL_ID_METADATA_KEY = "trial-id"
@@ -34,6 +41,14 @@ STATUSES_PER_CALL = 1000
 STATUS_IDS_BYTES_PER_CALL = 1024 * 1024
 # Stored samples can exceed gRPC's 4 MiB default (the datastore expands rewards and payloads).
 MAX_RECEIVE_MESSAGE_BYTES = -1
+
+
+def state_name(state: int) -> str:
+    """A trial state's name (`RUNNING`...), or its number when it has none."""
+    try:
+        return common_pb2.TrialState.Name(state)  # type: ignore[arg-type]
+    except ValueError:
+        return str(state)
 
 
 def id_list(trial_ids: Iterable[str]) -> str:
@@ -189,7 +204,7 @@ def _status_chunks(trial_ids: Sequence[str]) -> Iterable[list[str]]:
     chunk: list[str] = []
     size = 0
     for trial_id in trial_ids:
-        length = len(trial_id.encode("utf-8", "surrogatepass"))
+        length = utf8_size(trial_id)
         if chunk and (len(chunk) == STATUSES_PER_CALL or size + length > STATUS_IDS_BYTES_PER_CALL):
             yield chunk
             chunk, size = [], 0

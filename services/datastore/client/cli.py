@@ -57,7 +57,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-from services.datastore.client.api import DEFAULT_ENDPOINT, DatastoreClient, id_list
+from services.datastore.client.api import DEFAULT_ENDPOINT, DatastoreClient, id_list, state_name
 from services.datastore.client.transfer import (
     DEFAULT_IMPORT_USER_ID,
     export_dataset,
@@ -68,7 +68,7 @@ from services.datastore.client.transfer import (
     require_dataset_extra,
 )
 from services.datastore.client.trial_file import TrialFileReader, TrialFileWriter
-from shared.api import common_pb2, trial_datastore_pb2
+from shared.api import trial_datastore_pb2
 from shared.cli import (
     BYTES,
     CONSOLE_OUTPUT_OPTION,
@@ -168,13 +168,6 @@ SAMPLES = ProgressUnit(lambda done, total, rate: f"{done}/{total} samples {rate:
 
 
 # ---- output ----
-
-
-def state_name(state: int) -> str:
-    try:
-        return common_pb2.TrialState.Name(state)  # type: ignore[arg-type]
-    except ValueError:
-        return str(state)
 
 
 def print_trials(

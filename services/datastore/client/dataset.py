@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from services.datastore.client.api import state_name
 from shared.api import common_pb2, trial_datastore_pb2
 
 STEPS_FILE = "steps.parquet"
@@ -89,13 +90,6 @@ TRIALS_SCHEMA = pa.schema(
 )
 
 Reward = dict[str, Any]  # a `_REWARD` struct
-
-
-def state_name(state: int) -> str:
-    try:
-        return common_pb2.TrialState.Name(state)  # type: ignore[arg-type]
-    except ValueError:
-        return str(state)
 
 
 def _payload(sample: trial_datastore_pb2.StoredTrialSample, index: int) -> bytes | None:
