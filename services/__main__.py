@@ -35,10 +35,11 @@ _PREFIXES = ", ".join(f"{prefix}_*" for prefix in SERVICES.values())
 EPILOG = f"""\
 Each service also reads its own environment variables
 ({_PREFIXES}),
-listed by `python -m services.<name> --help` and in the README; the logging flags above are
+listed by `cogment-aux services <name> --help` and in the README; the logging flags above are
 passed to every service. A service's flags go in one argument; write it with `=` when it starts
 with `--`:
-  python -m services --directory="--port 9105" --datastore="--port 9103 --outage_bound 60"
+  cogment-aux services all --directory="--port 9105" --trial_datastore="--port 9103 --outage_bound 60"
+(`python -m services` is the same command.)
 
 Ctrl-C or SIGTERM stops every service (a second one kills them); the exit status is then 0. When
 a service ends by itself, the others are stopped and the exit status is that service's: its own
@@ -48,7 +49,14 @@ if it failed, 128 + the signal if one killed it, 1 if it exited cleanly unasked.
 OPTIONS = [
     *logging_options(),
     *(
-        Option(name, f"flags of the {name} service, in one argument", "", metavar="FLAGS")
+        Option(
+            name,
+            f"flags of the {name} service, in one argument",
+            "",
+            metavar="FLAGS",
+            # The datastore's name in `cogment-aux services trial_datastore`.
+            aliases=["trial_datastore"] if name == "datastore" else [],
+        )
         for name in SERVICES
     ),
 ]
