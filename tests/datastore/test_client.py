@@ -639,23 +639,28 @@ async def test_an_interrupted_import_leaves_no_trial(datastore: RunningDatastore
     samples = [stored_sample(trial_id, tick) for tick in range(IMPORT_BATCH) for trial_id in ("a", "b")]
     data = hand_built_file(samples, ["a", "b"])
     process = popen("import", "--endpoint", endpoint(datastore), stdin=subprocess.PIPE)
-    assert process.stdin is not None
-    # All but the last byte: the first batches are imported (the trials are created), and the
-    # import waits for the rest of the last sample.
-    process.stdin.write(data[:-1])
-    process.stdin.flush()
-    for _ in range(600):
-        if set(await infos(datastore)) == {"a", "b"}:
-            break
-        await asyncio.sleep(0.05)
-    assert set(await infos(datastore)) == {"a", "b"}
-    process.send_signal(signal.SIGINT)
-    out, err = await asyncio.to_thread(process.communicate, None, 60)
-    assert process.returncode == 130, err
-    assert (out, err) == (
-        b"",
-        b"Interrupted: nothing was imported: the 2 trials it had created were deleted\n",
-    )
+    try:
+        assert process.stdin is not None
+        # All but the last byte: the first batches are imported (the trials are created), and the
+        # import waits for the rest of the last sample.
+        process.stdin.write(data[:-1])
+        process.stdin.flush()
+        for _ in range(600):
+            if set(await infos(datastore)) == {"a", "b"}:
+                break
+            await asyncio.sleep(0.05)
+        assert set(await infos(datastore)) == {"a", "b"}
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.to_thread(process.communicate, None, 60)
+        assert process.returncode == 130, err
+        assert (out, err) == (
+            b"",
+            b"Interrupted: nothing was imported: the 2 trials it had created were deleted\n",
+        )
+    finally:
+        if process.poll() is None:  # an assertion failed first: the import still waits for its input
+            process.kill()
+            process.wait()
     assert await infos(datastore) == {}
 
 

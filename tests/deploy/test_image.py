@@ -386,6 +386,8 @@ def run_suite(module: types.ModuleType, provided: Mapping[str, Any]) -> int:
     for name, function in vars(module).items():
         if not (name.startswith("test_") and inspect.isfunction(function)):
             continue
+        # Called without an event loop: a coroutine would be created, never run, and count as passed.
+        assert not inspect.iscoroutinefunction(function), f"{module.__name__}.{name} is async"
         parameters = inspect.signature(function).parameters
         for case in _cases(function):
             arguments = {**provided, **case}
