@@ -105,8 +105,14 @@ def run_process(*args: str) -> subprocess.CompletedProcess[bytes]:
 def popen(*args: str, stdin: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         client_command(*args), cwd=PROJECT_ROOT, env=clean_environment(), stdin=stdin,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_interruptible,
     )  # fmt: skip
+
+
+def _interruptible() -> None:
+    """Ctrl-C's default in the client: a shell running the tests in the background (CI) ignores
+    SIGINT, and its children would inherit that, and Python would never see the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # ---- trial data ----
