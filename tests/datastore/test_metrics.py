@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.datastore.conversion import DatalogConverter
 from services.datastore.metrics import MAX_ACTOR_CLASS_LABELS, OTHER_ACTOR_CLASS, ActorClassLabels
 from shared.api import common_pb2, datalog_pb2
 from shared.api import trial_datastore_pb2 as ds
@@ -179,3 +180,25 @@ async def test_series_stay_bounded_whatever_trials_and_classes_clients_send(
     assert other >= trials - MAX_ACTOR_CLASS_LABELS
     # 1,400 more trials, each of a class of its own: not one series more.
     assert set(after) == set(early)
+
+
+def test_returns_sum_each_actors_rewards_whoever_they_target() -> None:
+    converter = DatalogConverter("t", "u", trial_params())
+
+    def rewarded(tick: int, *rewards: tuple[str, float, float]) -> datalog_pb2.DatalogSample:
+        sample = datalog_sample(tick)
+        sample.rewards.extend(
+            common_pb2.Reward(
+                receiver_name=receiver,
+                sources=[common_pb2.RewardSource(sender_name="env", value=value, confidence=confidence)],
+            )
+            for receiver, value, confidence in rewards
+        )
+        return sample
+
+    # class1.* is alice and bob; * everyone. Two rewards to one actor in a sample: their
+    # confidence-weighted mean, as stored.
+    converter.convert_to_bytes(rewarded(0, ("class1.*", 1.0, 1.0)))
+    converter.convert_to_bytes(rewarded(1, ("*", 2.0, 1.0), ("carol", 5.0, 3.0)))
+    converter.convert_to_bytes(rewarded(2))
+    assert converter.returns == pytest.approx([3.0, 3.0, 2.0 * 0.25 + 5.0 * 0.75])
