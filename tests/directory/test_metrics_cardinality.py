@@ -124,6 +124,13 @@ def test_series_stay_bounded_whatever_clients_send(directory: RunningService) ->
         text = wait_for_entries(directory, ENTRIES + len(TYPES))
 
     assert entries_count(text) >= ENTRIES + len(TYPES)
+    # Each health check is timed: 21 entries failed theirs at least once (more may be under way,
+    # so the two figures are not compared with each other).
+    checks = re.search(r'^cogment_directory_health_checks_total\{outcome="failed"\} (\S+)$', text, re.M)
+    timed = re.search(r'^cogment_directory_health_check_seconds_count\{outcome="failed"\} (\S+)$', text, re.M)
+    assert checks and timed
+    assert float(checks[1]) >= 21
+    assert float(timed[1]) >= 21
     after = series_names(text)
     assert after == before
     assert len(after) <= MAX_SERIES
