@@ -5,7 +5,8 @@ meets a failure that `shared.errors.classify` puts on a dependency (`suspect()`)
 fails the dependency is away: the service is not ready (its `grpc.health.v1` status is
 NOT_SERVING, so Kubernetes takes it out of its Service, see `shared.server`), one line is logged
 when it goes away and one when it comes back, and it is probed often, so that service resumes
-within about a second of its return.
+within about a second of its return. Metrics: `cogment_dependency_up` and
+`cogment_dependency_changes_total` (shared.metrics).
 
 Streams do not fail on an outage: `ride_out` retries what they were doing once the dependency is
 back, for up to `outage_bound_s`; past that they fail with UNAVAILABLE.
@@ -19,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from shared import metrics
 from shared.errors import Unavailable, classify
 from shared.logging import get_logger
 from shared.supervision import Supervised, backoff_delay
@@ -55,10 +57,16 @@ class Dependencies:
     """The dependencies of one service: whether it is ready, and riding out their outages."""
 
     def __init__(
-        self, dependencies: Sequence[Dependency], outage_bound_s: float = DEFAULT_OUTAGE_BOUND_S
+        self,
+        dependencies: Sequence[Dependency],
+        outage_bound_s: float = DEFAULT_OUTAGE_BOUND_S,
+        *,
+        service: str = "",
     ) -> None:
+        """`service`: the `service` label of the dependencies' metrics (its name)."""
         self.items = list(dependencies)
         self.outage_bound_s = outage_bound_s
+        self.service = service
         self._suspects = {item.name: asyncio.Event() for item in self.items}
         self._changed = asyncio.Condition()
         self._listeners: list[Callable[[bool], Awaitable[None]]] = []
@@ -80,6 +88,8 @@ class Dependencies:
         self._suspects[dependency.name] = asyncio.Event()
 
     def start(self) -> None:
+        for item in self.items:
+            self._record(item, changed=False)
         self._watchers = [Supervised(f"probe-{item.name}", self._watcher(item)) for item in self.items]
         for watcher in self._watchers:
             watcher.start()
@@ -139,6 +149,7 @@ class Dependencies:
                         log.warning(
                             "dependency away", dependency=item.name, error=str(error) or type(error).__name__
                         )
+                        self._record(item, changed=True)
                         await self._announce()
                 else:
                     if not item.available:
@@ -150,6 +161,7 @@ class Dependencies:
                             dependency=item.name,
                             away_s=round(time.monotonic() - item.away_since, 3),
                         )
+                        self._record(item, changed=True)
                         await self._announce()
                 suspect = self._suspects[item.name]
                 if item.available:
@@ -160,6 +172,13 @@ class Dependencies:
                 suspect.clear()
 
         return watch
+
+    def _record(self, item: Dependency, *, changed: bool) -> None:
+        dependency = metrics.dependency_label(item.name)
+        metrics.dependency_up.labels(self.service, dependency).set(1 if item.available else 0)
+        if changed:
+            state = "up" if item.available else "down"
+            metrics.dependency_changes_total.labels(self.service, dependency, state).inc()
 
     async def _announce(self) -> None:
         async with self._changed:

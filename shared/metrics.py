@@ -1,21 +1,27 @@
-"""Prometheus metrics: per-RPC counts and latencies (the usual grpc_server_* names), and the
-optional HTTP endpoint that exposes them (`--metrics_port`).
+"""Prometheus metrics: per-RPC counts and latencies (the usual grpc_server_* names), those every
+service has (readiness, dependencies, build), plain-number counters and histograms for the
+services' own hot paths, and the optional HTTP endpoint that exposes them (`--metrics_port`).
+The README's "Metrics" table lists every family (tests/shared/test_metrics_table.py checks it).
 
 The per-RPC figures are plain numbers, updated on every call and turned into metric families only
 when scraped: prometheus_client's Counter and Histogram take a lock and check their state on each
 update, which cost 20-25 us of server CPU per call, about a tenth of a small inquiry's
-(bench/directory.py).
+(bench/directory.py). PlainCounter and PlainHistogram do the same for any family.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+# No `<counter>_created` series beside each prometheus_client counter: a timestamp per series that
+# doubles the series and that nobody queries (the families are those of the README's table).
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 RPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 HANDLING_SECONDS_BUCKETS = (
@@ -91,8 +97,122 @@ class _RpcCollector(Collector):  # type: ignore[misc]
         yield seconds
 
 
+class PlainCounter(Collector):  # type: ignore[misc]
+    """A counter family kept as plain numbers, one per label-value tuple, turned into a family
+    only when scraped: `inc` is a dict update (well under a microsecond), for paths taken on
+    every call. Registers itself on creation (a second family of the same name is refused).
+
+    Label values must come from a bounded set the code chooses (an outcome, a service type),
+    never from what clients send: each distinct tuple is a series kept for the process's life.
+    Updates come from one thread (the event loop): `+=` without a lock, as RpcStats.
+
+        inquiries_total = PlainCounter("cogment_x_inquiries_total", "Inquiries.", ["source"])
+        inquiries_total.inc("memory")
+    """
+
+    def __init__(
+        self, name: str, documentation: str, labels: Sequence[str] = (), *, registered: bool = True
+    ) -> None:
+        """`name` may end in `_total` (exposed with it either way); `registered=False` for tests."""
+        self.name = name.removesuffix("_total")
+        self.documentation = documentation
+        self.labels = tuple(labels)
+        self._counts: dict[tuple[str, ...], float] = {}
+        if registered:
+            REGISTRY.register(self)
+
+    def inc(self, *label_values: str, amount: float = 1) -> None:
+        """Add `amount` to the series of these label values (as many as `labels`, in order)."""
+        self._counts[label_values] = self._counts.get(label_values, 0) + amount
+
+    def value(self, *label_values: str) -> float:
+        """The count of one series (0 before its first `inc`)."""
+        return self._counts.get(label_values, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for label_values, count in dict(self._counts).items():
+            family.add_metric(list(label_values), count)
+        yield family
+
+
+class PlainHistogram(Collector):  # type: ignore[misc]
+    """A histogram family kept as plain numbers, as PlainCounter: `observe` is a bisect and three
+    additions. Units in the name (`_seconds`, `_bytes`); label values from a bounded set."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: Sequence[str] = (),
+        *,
+        buckets: Sequence[float] = HANDLING_SECONDS_BUCKETS,
+        registered: bool = True,
+    ) -> None:
+        """`buckets`: the finite upper bounds, increasing (+Inf is added)."""
+        self.name = name
+        self.documentation = documentation
+        self.labels = tuple(labels)
+        self._bounds = tuple(buckets)
+        self._bucket_labels: list[str] = [
+            floatToGoString(bound)  # type: ignore[no-untyped-call]
+            for bound in (*self._bounds, float("inf"))
+        ]
+        # Per label-value tuple: one count per bucket then +Inf (not cumulative), and the sum.
+        self._counts: dict[tuple[str, ...], list[int]] = {}
+        self._sums: dict[tuple[str, ...], float] = {}
+        if registered:
+            REGISTRY.register(self)
+
+    def observe(self, value: float, *label_values: str) -> None:
+        counts = self._counts.get(label_values)
+        if counts is None:
+            counts = self._counts[label_values] = [0] * (len(self._bounds) + 1)
+        counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sums[label_values] = self._sums.get(label_values, 0.0) + value
+
+    def count(self, *label_values: str) -> int:
+        """How many values this series observed."""
+        return sum(self._counts.get(label_values, ()))
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
+        for label_values, counts in dict(self._counts).items():
+            total, cumulative = 0, []
+            for bound, count in zip(self._bucket_labels, list(counts), strict=True):
+                total += count
+                cumulative.append((bound, total))
+            family.add_metric(list(label_values), cumulative, self._sums.get(label_values, 0.0))
+        yield family
+
+
 rpc_metrics = _RpcCollector()
 REGISTRY.register(rpc_metrics)
+
+# Every service's: labelled by `service` (its name: directory, model_registry, trial_datastore),
+# so that dashboards tell processes apart. Set on changes, not per call.
+build_info = Gauge(
+    "cogment_build_info",
+    "Always 1: the cogment-aux version and the Cogment API version it implements.",
+    ["service", "version", "cogment_api"],
+)
+ready = Gauge(
+    "cogment_ready", '1 while the service is ready (its health for "" is SERVING), else 0.', ["service"]
+)
+dependency_up = Gauge(
+    "cogment_dependency_up", "1 while a dependency answers its probes, else 0.", ["service", "dependency"]
+)
+dependency_changes_total = Counter(
+    "cogment_dependency_changes_total",
+    "A dependency going down (state=down) or coming back (state=up).",
+    ["service", "dependency", "state"],
+)
+
+
+def dependency_label(name: str) -> str:
+    """A dependency's `dependency` label: its name in the logs, as an identifier ("blob store" is
+    blob_store)."""
+    return name.replace(" ", "_")
 
 
 def serve_metrics(port: int, address: str) -> int:

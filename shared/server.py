@@ -36,7 +36,7 @@ from shared.registration import DirectoryRegistration, RegistrationSettings
 from shared.runtime import ServiceRuntime
 from shared.settings import ServerSettings
 from shared.tls_files import ca_error, key_pair_error
-from shared.version import PACKAGE_VERSION
+from shared.version import COGMENT_API_VERSION, PACKAGE_VERSION
 
 log = get_logger("shared.server")
 
@@ -50,6 +50,9 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # Set by a supervisor to a file descriptor the service writes a line to once it serves: one that
 # exits without having written it failed to start (`python -m services` says which did).
 SERVING_FD_ENV = "COGMENT_AUX_SERVING_FD"
+# The `service` label of a service's metrics where it differs from its name: the name in its
+# families' prefix (cogment_trial_datastore_*).
+METRICS_NAMES = {"datastore": "trial_datastore"}
 SettingsT = TypeVar("SettingsT", bound=ServerSettings)
 ServiceT = TypeVar("ServiceT", bound="Service[Any]")
 
@@ -69,12 +72,19 @@ class Service(Generic[SettingsT]):
         # Closed by `serve()` once the service stopped.
         self.database = Database(settings.database_url_of(self.name))
         # What the service needs to serve; `serve()` watches them (readiness, riding out outages).
-        self.dependencies = Dependencies([self.database.as_dependency()], settings.outage_bound)
+        self.dependencies = Dependencies(
+            [self.database.as_dependency()], settings.outage_bound, service=self.metrics_name
+        )
         # The bound port, once serving (the configured one may be 0).
         self.port: int | None = None
         # Its registration in a directory, if it registers itself: `serve()` starts it once the
         # port is open and deregisters when shutdown begins.
         self.registration: DirectoryRegistration | None = None
+
+    @property
+    def metrics_name(self) -> str:
+        """The `service` label of its metrics."""
+        return METRICS_NAMES.get(self.name, self.name)
 
     @property
     def grpc_service_names(self) -> Sequence[str]:
@@ -252,6 +262,9 @@ async def serve(
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
     for sig in signals:
         loop.add_signal_handler(sig, stop_event.set)
+    metrics.build_info.labels(service.metrics_name, PACKAGE_VERSION, COGMENT_API_VERSION).set(1)
+    ready_gauge = metrics.ready.labels(service.metrics_name)
+    ready_gauge.set(0)
     load = LoadMonitor()
     load.start()
     runtime = ServiceRuntime(service.name, load)
@@ -300,6 +313,7 @@ async def serve(
                 for name in ["", *names]:
                     await health.set(name, status)
                 load.serviceable = ready
+                ready_gauge.set(1 if ready else 0)
 
         await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await set_readiness(True)
@@ -326,6 +340,7 @@ async def serve(
         shutdown_deadline = loop.time() + settings.shutdown_grace
         serving = False
         load.serviceable = False
+        ready_gauge.set(0)
         await health.enter_graceful_shutdown()
         if service.registration is not None:
             # Deregistered before the port closes, so that nobody is sent to a closed port. A

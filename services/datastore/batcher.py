@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
+from collections.abc import Awaitable
 
+from services.datastore import metrics
 from services.datastore.model import ENDED, NO_STATE, SampleAppend
 from services.datastore.store import DatastoreStore
 from shared.dependencies import Dependencies
@@ -54,8 +57,10 @@ class TrialMissing(Exception):
 class IngestionBuffer:
     """One ingestion stream's samples on their way to the database."""
 
-    def __init__(self, batcher: SampleBatcher, trial_seq: int) -> None:
+    def __init__(self, batcher: SampleBatcher, trial_seq: int, api: str) -> None:
         self.trial_seq = trial_seq
+        # The ingestion service the samples come through (the metrics' `api` label).
+        self.api = api
         self._batcher = batcher
         self._samples: list[bytes] = []
         # Per pending sample, the state it sets in its trial (NO_STATE: none).
@@ -69,6 +74,10 @@ class IngestionBuffer:
         self.in_flight_bytes = 0
         self.pending_bytes = 0
         self.failure: Exception | None = None
+        # When the oldest pending sample arrived (time.monotonic), and the oldest sample of the
+        # last take: how long the samples of a commit waited, measured once per stream and batch.
+        self.arrived = 0.0
+        self.taken_arrived = 0.0
         # Set whenever `committed`, `closed` or `failure` changes.
         self.progressed = asyncio.Event()
         self.queued = False
@@ -85,6 +94,8 @@ class IngestionBuffer:
     def add(self, data: bytes, state: int) -> None:
         # Once per sample: the batcher's counters are updated here rather than through calls.
         size = len(data)
+        if not self._samples:
+            self.arrived = time.monotonic()
         self._samples.append(data)
         self._states.append(state)
         self.submitted += 1
@@ -111,6 +122,8 @@ class IngestionBuffer:
             samples, states = self._samples[:limit], self._states[:limit]
             del self._samples[:limit], self._states[:limit]
             size = sum(map(len, samples))
+        # Samples left pending arrived after the taken ones: `arrived` overstates their wait a little.
+        self.taken_arrived = self.arrived
         last_state = next((state for state in reversed(states) if state != NO_STATE), None)
         close = self._closing and not self._samples
         self._close_taken = self._close_taken or close
@@ -180,8 +193,10 @@ class SampleBatcher:
         await self._writer.stop()
         self._started = False
 
-    def open(self, trial_seq: int) -> IngestionBuffer:
-        return IngestionBuffer(self, trial_seq)
+    def open(self, trial_seq: int, api: str) -> IngestionBuffer:
+        """The buffer of a new ingestion stream of the trial, through the ingestion service `api`
+        (metrics.DATALOG_API, ...)."""
+        return IngestionBuffer(self, trial_seq, api)
 
     def has_room(self, buffer: IngestionBuffer) -> bool:
         """Whether the stream of `buffer` may read another sample."""
@@ -267,10 +282,18 @@ class SampleBatcher:
         if not batch:  # every queued stream had failed
             return
         appends = [append for _, append, _ in batch]
+        attempts = 0
+
+        def write_all() -> Awaitable[list[int | None]]:
+            nonlocal attempts
+            attempts += 1
+            return self._store.append(appends)
+
+        started = time.monotonic()
         try:
             # An outage is ridden out: the samples stay here and are written once the database is
             # back (their streams wait, unacknowledged), up to the outage bound.
-            firsts = await self._dependencies.ride_out(lambda: self._store.append(appends))
+            firsts = await self._dependencies.ride_out(write_all)
         except Exception as error:
             failure = classify(error)
             if failure is not None:  # no stream is at fault: each of them reports it
@@ -285,8 +308,18 @@ class SampleBatcher:
             log.warning("could not store samples", trial_seq=batch[0][1].trial_seq, error=str(error))
             batch[0][0].failed(error)  # its stream reports it
             return
+        finally:
+            if attempts > 1:
+                metrics.outage_held_batches_total.inc()
+        now = time.monotonic()
+        metrics.commit_duration_seconds.observe(now - started)
+        metrics.commit_batch_samples.observe(sum(len(append.samples) for append in appends))
         for (buffer, append, size), first in zip(batch, firsts, strict=True):
             if first is None:
                 buffer.failed(TrialMissing())
-            else:
-                buffer.stored(append, size)
+                continue
+            buffer.stored(append, size)
+            if append.samples:
+                metrics.ingested_samples_total.inc(buffer.api, amount=len(append.samples))
+                metrics.ingested_bytes_total.inc(buffer.api, amount=size)
+                metrics.ack_wait_seconds.observe(now - buffer.taken_arrived)

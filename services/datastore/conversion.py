@@ -103,20 +103,23 @@ class _Plan:
 
     The variables are the `_REWARD_VALUES` of each source of the sample's rewards (those some actor
     receives), in order, then the encoded mean reward of each of `mean_groups`: the positions, among these
-    rewards, of the ones targeting an actor (actors targeted by the same rewards share their mean).
+    rewards, of the ones targeting an actor (actors targeted by the same rewards share their mean, the
+    actors of `mean_actors`, one tuple per group).
     """
 
-    __slots__ = ("constants", "mean_groups", "pieces")
+    __slots__ = ("constants", "mean_actors", "mean_groups", "pieces")
 
     def __init__(
         self,
         constants: tuple[bytes, ...],
         pieces: Callable[[list[bytes]], tuple[bytes, ...]],
         mean_groups: tuple[tuple[int, ...], ...],
+        mean_actors: tuple[tuple[int, ...], ...],
     ) -> None:
         self.constants = constants
         self.pieces = pieces
         self.mean_groups = mean_groups
+        self.mean_actors = mean_actors
 
 
 class DatalogConverter:
@@ -147,6 +150,7 @@ class DatalogConverter:
         "_receiver_fields",
         "_receivers",
         "_sender_fields",
+        "returns",
     )
 
     def __init__(self, trial_id: str, user_id: str, params: common_pb2.TrialParams) -> None:
@@ -199,6 +203,9 @@ class DatalogConverter:
             tuple[int, tuple[int, ...], int], tuple[tuple[bytes, ...], tuple[bytes, ...]]
         ] = {}
         self._plans: dict[_Shape, _Plan] = {}
+        # Per actor, the sum of the rewards it received in the samples converted so far (its
+        # stored per-sample rewards, before their rounding to float32): its return.
+        self.returns = [0.0] * actor_count
 
     def convert(self, sample: datalog_pb2.DatalogSample) -> trial_datastore_pb2.StoredTrialSample:
         """The stored sample as a message (ingestion stores `convert_to_bytes`)."""
@@ -281,7 +288,8 @@ class DatalogConverter:
             if len(self._plans) == _MAX_PLANS:
                 self._plans.clear()
             self._plans[shape] = plan
-        for group in plan.mean_groups:
+        returns = self.returns
+        for group, actors in zip(plan.mean_groups, plan.mean_actors, strict=True):
             # The confidence-weighted mean over the sources of the group's rewards, summed in order as the
             # reference does; 0 without a positive confidence. A mean of float32 values cannot overflow
             # float32 (packing would raise).
@@ -290,7 +298,10 @@ class DatalogConverter:
                 for product, confidence in reward_weights[position]:
                     weighted_sum += product
                     confidence_sum += confidence
-            variables.append(_FLOAT32(weighted_sum / confidence_sum if confidence_sum > 0 else 0.0))
+            mean = weighted_sum / confidence_sum if confidence_sum > 0 else 0.0
+            variables.append(_FLOAT32(mean))
+            for actor in actors:
+                returns[actor] += mean
         # StoredTrialSample.payloads, the last field, encoded from C.
         encoded_payloads = StoredTrialSample()
         encoded_payloads.payloads.extend(payloads)
@@ -410,13 +421,16 @@ class DatalogConverter:
 
         # Actors targeted by the same rewards share their mean, a variable after the entries' values.
         mean_groups: dict[tuple[int, ...], int] = {}
+        group_actors: dict[tuple[int, ...], list[int]] = {}
         means: dict[int, int] = {}
         for receiver, positions in targeting.items():
             group = tuple(positions)
             mean = mean_groups.get(group)
             if mean is None:
                 mean = mean_groups[group] = value_count + len(mean_groups)
+                group_actors[group] = []
             means[receiver] = mean
+            group_actors[group].append(receiver)
 
         # The pieces, as pool indices: the header, the actor samples (tag, length, fields), the payloads.
         # Constant bytes are merged, and numbered after the variables, the header and payloads after them.
@@ -447,4 +461,9 @@ class DatalogConverter:
         constants.append(constant)
         pieces[0] = variable_count + len(constants)
         pieces.append(variable_count + len(constants) + 1)
-        return _Plan(tuple(constants), operator.itemgetter(*pieces), tuple(mean_groups))
+        return _Plan(
+            tuple(constants),
+            operator.itemgetter(*pieces),
+            tuple(mean_groups),
+            tuple(tuple(group_actors[group]) for group in mean_groups),
+        )

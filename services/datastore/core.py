@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
+from services.datastore import metrics
 from services.datastore.batcher import SampleBatcher, TrialMissing
 from services.datastore.conversion import DatalogConverter
 from services.datastore.leases import IngestionLeases
@@ -73,16 +74,22 @@ class Ingestion:
     which neither closes nor leases it)."""
 
     def __init__(
-        self, datastore: TrialDatastore, trial: TrialRecord, converter: DatalogConverter | None
+        self, datastore: TrialDatastore, trial: TrialRecord, converter: DatalogConverter | None, api: str
     ) -> None:
+        """`api`: the ingestion service the samples come through (metrics.DATALOG_API, ...)."""
         self.trial = trial
         self._converter = converter
         self._batcher = datastore.batcher
-        self._buffer = datastore.batcher.open(trial.trial_seq)
+        self._buffer = datastore.batcher.open(trial.trial_seq, api)
         self._saw_ended = trial.ended
+        # (tick id, timestamp) of this stream's first sample with a state, and of its ENDED sample:
+        # the trial's length and duration for the metrics.
+        self._first: tuple[int, int] | None = None
+        self._ended: tuple[int, int] | None = None
         self._leases = datastore.leases
         if converter is not None:
             self._leases.hold(trial.trial_seq)
+            metrics.trials_started_total.inc()
 
     def ingest_datalog(
         self, requests: AsyncIterator[R], sample_of: Callable[[R], datalog_pb2.DatalogSample]
@@ -161,7 +168,13 @@ class Ingestion:
     def _datalog(self, sample: datalog_pb2.DatalogSample) -> None:
         assert self._converter is not None
         data, state = self._converter.convert_to_bytes(sample)
-        self._add(data, _stored_state(state, sample.info.out_of_sync))
+        info = sample.info
+        state = _stored_state(state, info.out_of_sync)
+        if state != NO_STATE and self._first is None:
+            self._first = (info.tick_id, info.timestamp)
+        if state == ENDED:
+            self._ended = (info.tick_id, info.timestamp)
+        self._add(data, state)
 
     def _stored(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
         if sample.trial_id and sample.trial_id != self.trial.trial_id:
@@ -194,6 +207,25 @@ class Ingestion:
         finally:
             # Not renewed any more: if the close could not be written, the lease closes the trial.
             self._leases.release(self.trial.trial_seq)
+        if buffer.closed:
+            self._count_closed()
+
+    def _count_closed(self) -> None:
+        """The metrics of a datalog stream whose close is stored; an ENDED sample it stored adds
+        the trial's figures (its actors' returns, its length and duration)."""
+        if not self._saw_ended:
+            metrics.trials_interrupted_total.inc()
+            return
+        metrics.trials_ended_total.inc()
+        if self._converter is None or self._first is None or self._ended is None:
+            return  # the trial had ended before this stream
+        labels = metrics.actor_class_labels
+        actors = common_pb2.TrialParams.FromString(self.trial.params).actors
+        for actor, actor_return in zip(actors, self._converter.returns, strict=True):
+            metrics.trial_return.observe(actor_return, labels.label(actor.actor_class))
+        (first_tick, first_ns), (ended_tick, ended_ns) = self._first, self._ended
+        metrics.trial_ticks.observe(max(ended_tick - first_tick + 1, 0))
+        metrics.trial_duration_seconds.observe(max(ended_ns - first_ns, 0) / 1e9)
 
 
 class TrialDatastore:
@@ -212,6 +244,8 @@ class TrialDatastore:
         self.feed = feed
         self.batcher = batcher
         self.leases = leases
+        # RetrieveSamples streams open (a metric).
+        self.readers = 0
         # Streams (live readers, a waiting RetrieveTrials, a datalog being opened) ride out a
         # database outage; a unary call answers UNAVAILABLE at once.
         self.ride_out = (dependencies or Dependencies([])).ride_out
@@ -314,17 +348,20 @@ class TrialDatastore:
 
     # ---- ingestion ----
 
-    async def open_datalog(self, trial_id: str, user_id: str, params: common_pb2.TrialParams) -> Ingestion:
-        """Start ingesting the orchestrator's datalog of a trial (created, or updated if it exists)."""
+    async def open_datalog(
+        self, trial_id: str, user_id: str, params: common_pb2.TrialParams, api: str
+    ) -> Ingestion:
+        """Start ingesting the orchestrator's datalog of a trial (created, or updated if it exists),
+        received through the ingestion service `api` (DatalogSP or LogExporterSP)."""
         trial = await self._upsert(trial_id, user_id or DEFAULT_DATALOG_USER_ID, params, reopen=True)
-        return Ingestion(self, trial, DatalogConverter(trial_id, user_id, params))
+        return Ingestion(self, trial, DatalogConverter(trial_id, user_id, params), api)
 
     async def open_samples(self, trial_id: str) -> Ingestion:
         """Start adding stored samples to an existing trial (AddSample)."""
         found = await self.store.get_trials([checked_id(trial_id, "trial id")])
         if trial_id not in found:
             raise NotFound(f'no trial "{quoted(trial_id)}" found')
-        return Ingestion(self, found[trial_id], None)
+        return Ingestion(self, found[trial_id], None, metrics.ADD_SAMPLE_API)
 
     # ---- reading samples ----
 
@@ -357,34 +394,39 @@ class TrialDatastore:
             )
             for trial_id in wanted_ids
         ]
-        with self.feed.watch(samples_key(reader.trial.trial_seq) for reader in readers) as watch:
-            while readers:
-                progressed = False
-                for reader in list(readers):
-                    seq, rows = reader.trial.trial_seq, reader.batch_rows
-                    batch = await self.ride_out(
-                        functools.partial(self.store.read_samples, seq, reader.next, rows)
-                    )
-                    reader.next += len(batch)
-                    full = len(batch) == rows  # more may follow at once
-                    reader.size_batches(batch, self.read_batch_bytes)
-                    for data in batch:
-                        yield reader.filtered(data)
-                    del batch  # a reader that stops reading holds one batch, not two
-                    if full:
-                        progressed = True
-                        continue
-                    progress = await self.ride_out(functools.partial(self.store.progress, seq))
-                    if progress is None:
-                        raise NotFound(f'trial "{quoted(reader.trial.trial_id)}" was deleted')
-                    if reader.next < progress.samples_count:
-                        progressed = True  # more arrived since the read
-                    elif progress.ended or progress.closed:
-                        if not progress.ended:
-                            log.debug("trial ingestion was interrupted", trial_id=reader.trial.trial_id)
-                        readers.remove(reader)
-                if readers and not progressed:
-                    await watch.wait()
+        self.readers += 1
+        try:
+            with self.feed.watch(samples_key(reader.trial.trial_seq) for reader in readers) as watch:
+                while readers:
+                    progressed = False
+                    for reader in list(readers):
+                        seq, rows = reader.trial.trial_seq, reader.batch_rows
+                        batch = await self.ride_out(
+                            functools.partial(self.store.read_samples, seq, reader.next, rows)
+                        )
+                        reader.next += len(batch)
+                        metrics.replayed_samples_total.inc(amount=len(batch))
+                        full = len(batch) == rows  # more may follow at once
+                        reader.size_batches(batch, self.read_batch_bytes)
+                        for data in batch:
+                            yield reader.filtered(data)
+                        del batch  # a reader that stops reading holds one batch, not two
+                        if full:
+                            progressed = True
+                            continue
+                        progress = await self.ride_out(functools.partial(self.store.progress, seq))
+                        if progress is None:
+                            raise NotFound(f'trial "{quoted(reader.trial.trial_id)}" was deleted')
+                        if reader.next < progress.samples_count:
+                            progressed = True  # more arrived since the read
+                        elif progress.ended or progress.closed:
+                            if not progress.ended:
+                                log.debug("trial ingestion was interrupted", trial_id=reader.trial.trial_id)
+                            readers.remove(reader)
+                    if readers and not progressed:
+                        await watch.wait()
+        finally:
+            self.readers -= 1
 
 
 async def _at_once(read: Callable[[], Awaitable[R]]) -> R:

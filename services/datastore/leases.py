@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from services.datastore import metrics
 from services.datastore.store import DatastoreStore
 from shared.dependencies import Dependencies
 from shared.logging import get_logger
@@ -47,6 +48,11 @@ class IngestionLeases:
         """The deadline of a lease taken or renewed now."""
         return time.time_ns() + self.lease_ns
 
+    @property
+    def streams(self) -> int:
+        """Ingestion streams open here."""
+        return sum(self._open.values())
+
     def hold(self, trial_seq: int) -> None:
         """An ingestion stream of the trial opened here."""
         self._open[trial_seq] += 1
@@ -64,5 +70,7 @@ class IngestionLeases:
         # renew them: their owners get two renewal periods to renew before any sweep.
         if time.monotonic() - self._dependencies.ready_since < 2 * self._renew_s:
             return
-        for trial_seq in await self._store.close_expired(time.time_ns()):
+        closed = await self._store.close_expired(time.time_ns())
+        metrics.lease_closures_total.inc(amount=len(closed))
+        for trial_seq in closed:
             log.warning("trial closed as interrupted: its ingesting process is gone", trial_seq=trial_seq)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.datastore import metrics
 from services.datastore.batcher import (
     DEFAULT_INTERVAL_S,
     DEFAULT_MAX_IN_FLIGHT_BYTES,
@@ -99,6 +100,12 @@ class DatastoreService(Service[DatastoreSettings]):
             self.leases,
             self.dependencies,
             read_batch_bytes=settings.read_batch_bytes,
+        )
+        metrics.watch(
+            open_streams=lambda: self.leases.streams,
+            readers=lambda: self.datastore.readers,
+            held=lambda: self.batcher.in_flight_bytes,
+            budget=settings.ingestion_bytes,
         )
         self.registration = self.directory_registration(
             [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE]

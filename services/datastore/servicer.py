@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from services.datastore.core import Ingestion, TrialDatastore
+from services.datastore.metrics import DATALOG_API, LOG_EXPORTER_API
 from services.datastore.model import TrialRecord, TrialStatus
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2, trial_status_pb2
 from shared.errors import InvalidArgument
@@ -188,7 +189,8 @@ class DatalogIngestion:
     def __init__(self, datastore: TrialDatastore) -> None:
         self.datastore = datastore
 
-    async def run(self, requests: AsyncIterator[DatalogInput], context: Any) -> AsyncIterator[int]:
+    async def run(self, requests: AsyncIterator[DatalogInput], context: Any, api: str) -> AsyncIterator[int]:
+        """`api`: the service called (the metrics' label)."""
         ids = _header_values(context, "trial-id")
         if not ids:
             raise InvalidArgument('DatalogServer.RunTrialDatalog: missing required header "trial-id"')
@@ -201,7 +203,7 @@ class DatalogIngestion:
                 'DatalogServer.RunTrialDatalog: initial message is not of type "cogment.TrialParams"'
             )
         opening = asyncio.ensure_future(
-            self.datastore.open_datalog(ids[0], users[0] if users else "", first.trial_params)
+            self.datastore.open_datalog(ids[0], users[0] if users else "", first.trial_params, api)
         )
         try:
             ingestion: Ingestion = await asyncio.shield(opening)
@@ -226,7 +228,7 @@ class DatalogServicer(VersionStatusMixin):
     async def RunTrialDatalog(
         self, request_iterator: AsyncIterator[datalog_pb2.RunTrialDatalogInput], context: Any
     ) -> AsyncIterator[datalog_pb2.RunTrialDatalogOutput]:
-        async for committed in self.ingestion.run(request_iterator, context):
+        async for committed in self.ingestion.run(request_iterator, context, DATALOG_API):
             for _ in range(committed):
                 yield ACKNOWLEDGEMENT
 
@@ -239,6 +241,6 @@ class LogExporterServicer(VersionStatusMixin):
     async def RunTrialDatalog(
         self, request_iterator: AsyncIterator[datalog_pb2.LogExporterSampleRequest], context: Any
     ) -> datalog_pb2.LogExporterSampleReply:
-        async for _ in self.ingestion.run(request_iterator, context):
+        async for _ in self.ingestion.run(request_iterator, context, LOG_EXPORTER_API):
             pass
         return datalog_pb2.LogExporterSampleReply()

@@ -22,6 +22,7 @@ from shared.digest import sha256_hex
 from shared.errors import NotFound, PermissionDenied
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
+from shared.metrics import PlainCounter
 
 # A result checked this recently is reused by `check_on_inquire` (as in the reference).
 RECENT_CHECK_NS = 100_000_000
@@ -40,6 +41,13 @@ registrations_total = Counter(
 )
 deregistrations_total = Counter(
     "cogment_directory_deregistrations_total", "Deregistrations by outcome.", ["outcome"]
+)
+# Inquiries are the hot path: a plain count (see shared.metrics).
+inquiries_total = PlainCounter(
+    "cogment_directory_inquiries_total",
+    "Inquiries answered, by where from (memory: the index; remembered: a remembered answer; "
+    "database) and whether they found entries.",
+    ["source", "outcome"],
 )
 
 
@@ -166,6 +174,7 @@ class Directory:
         looks again every second for that many seconds."""
         token_digest = self._token_digest(token)
         if not inquiry.can_match:
+            inquiries_total.inc(self._source_name(), "none")
             return  # nothing to wait for: the registration lag does not apply
         for attempt in range(self.registration_lag_s + 1):
             if attempt:
@@ -187,7 +196,16 @@ class Directory:
                     found = True
                     yield page
             if found:
+                inquiries_total.inc(self._source_name(source), "found")
                 return
+        inquiries_total.inc(self._source_name(), "none")
+
+    def _source_name(self, source: EntrySource | None = None) -> str:
+        """The `source` label of an inquiry answered from `source` (None: where one would be)."""
+        if source is None:
+            current = self._index is not None and self._index.current
+            return "memory" if current else "database"
+        return "database" if source is self._store else "memory"
 
     def answer_stamp(self) -> int | None:
         """What the answers to inquiries depend on, as a number that changes when they may: an

@@ -36,6 +36,7 @@ from shared.api import common_pb2
 from shared.endpoints import format_host
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
+from shared.metrics import PlainHistogram
 from shared.supervision import Periodic
 
 GRPC_CHECK_TIMEOUT_S = 2.0
@@ -50,6 +51,11 @@ log = get_logger("directory.health")
 checks_total = Counter("cogment_directory_health_checks_total", "Health checks by outcome.", ["outcome"])
 removals_total = Counter(
     "cogment_directory_removed_unhealthy_total", "Entries removed after failing their checks in a row."
+)
+check_seconds = PlainHistogram(
+    "cogment_directory_health_check_seconds",
+    "Time a health check took (its timeout at most), by outcome.",
+    ["outcome"],
 )
 
 
@@ -126,6 +132,19 @@ async def check(target: CheckTarget) -> CheckResult:
 
 
 _FAILED = CheckResult(False, UNSERVICEABLE)
+
+
+async def _timed_check(target: CheckTarget) -> CheckResult:
+    started = time.perf_counter()
+    result = await check(target)
+    check_seconds.observe(time.perf_counter() - started, _outcome(result))
+    return result
+
+
+def _outcome(result: CheckResult) -> str:
+    return "healthy" if result.healthy else "failed"
+
+
 _Check = asyncio.Task[dict[int, CheckResult]]
 
 
@@ -195,13 +214,13 @@ class HealthChecker:
         self._rounds_task.wake()  # a slot is free
 
     async def check_now(self, targets: list[CheckTarget]) -> dict[int, CheckResult]:
-        results = await asyncio.gather(*(check(target) for target in targets))
+        results = await asyncio.gather(*(_timed_check(target) for target in targets))
         now = time.time_ns()
         removed = await self._store.record_checks(
             list(zip(targets, results, strict=True)), now, now + self._interval_ns, MAX_FAILED_CHECKS
         )
         for target, result in zip(targets, results, strict=True):
-            checks_total.labels("healthy" if result.healthy else "failed").inc()
+            checks_total.labels(_outcome(result)).inc()
             if not result.healthy:
                 log.info(
                     "health check failed",

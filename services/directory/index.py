@@ -14,6 +14,11 @@ Consistency (see the README's "Directory consistency"):
 - the index is current only while the feed listens: from the moment the listening connection
   fails (`lost`) until it listens again and the index has been reloaded, inquiries are answered
   from the database instead, never from an index that may have missed changes.
+
+`cogment_directory_index_lag_seconds` measures, per pass of the applier, the time from hearing of
+the oldest change it applies to the index holding it. The time from another replica's commit to
+its notification arriving (or, on a shared SQLite file, to the next poll finding it: 0.5 s at
+most) is not in it: no clock of this replica saw that commit.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -29,6 +35,7 @@ from services.directory.model import UNKNOWN_SERVICE, Entry, Inquiry
 from services.directory.store import ALL_ENTRIES_KEY, ENTRY_KEY_PREFIX, DirectoryStore, IndexRow
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
+from shared.metrics import PlainHistogram
 from shared.supervision import Supervised
 
 # Ids re-read per query; beyond this many pending ids, the whole index is reloaded instead.
@@ -38,6 +45,11 @@ RELOAD_ABOVE = 20_000
 PAGE_ENTRIES = 1000
 
 log = get_logger("directory.index")
+lag_seconds = PlainHistogram(
+    "cogment_directory_index_lag_seconds",
+    "Time from hearing of a change (notification, own commit, poll of a shared SQLite file) to "
+    "the in-memory index holding it.",
+)
 
 # Generations of every index of the process: a change draws the next, so no two states of any
 # index (a reloaded one included) share one.
@@ -201,6 +213,8 @@ class FollowedIndex:
         self._waiters: list[asyncio.Future[None]] = []
         self._work = asyncio.Event()
         self._work.set()
+        # When the oldest change not yet applied was heard of (monotonic), for `lag_seconds`.
+        self._heard_at: float | None = None
         # Whether the index holds every change the feed told of: reloaded since it listens.
         self.current = False
         self._applier = Supervised("directory-index", self._apply_forever)
@@ -226,6 +240,8 @@ class FollowedIndex:
     # ---- shared.notify.Follower ----
 
     def changed(self, keys: list[str] | None) -> None:
+        if self._heard_at is None:
+            self._heard_at = time.monotonic()
         if keys is None:
             self._listening = True
             self._reload = True
@@ -278,10 +294,16 @@ class FollowedIndex:
                 self._work.clear()
                 # Those who came before this pass: what they wait for is pending by now.
                 waiters, self._waiters = self._waiters, []
+                heard_at, self._heard_at = self._heard_at, None
                 try:
                     await self._apply_pending()
+                except Exception:
+                    self._heard_at = heard_at  # not applied: still waiting since then
+                    raise
                 finally:
                     _release(waiters)
+                if heard_at is not None:
+                    lag_seconds.observe(time.monotonic() - heard_at)
         except Exception:
             # The database is away (or a bug): answer from the database until a reload succeeds.
             self.current = False

@@ -17,6 +17,7 @@ from services.directory.servicer import add_directory_servicer
 from services.directory.store import DirectoryStore
 from shared.api import directory_pb2
 from shared.config import Option, non_negative_float, non_negative_int, parse_bool, positive_float
+from shared.endpoints import SERVICE_TYPES
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.runtime import ServiceRuntime
@@ -107,7 +108,11 @@ class DirectorySettings(ServerSettings):
 
 
 log = get_logger("directory")
-entries_gauge = Gauge("cogment_directory_entries", "Registered entries, by health.", ["health"])
+entries_gauge = Gauge(
+    "cogment_directory_entries",
+    "Registered entries, by service type and health (unhealthy: the last check failed).",
+    ["type", "health"],
+)
 
 
 class DirectoryService(Service[DirectorySettings]):
@@ -185,9 +190,11 @@ class DirectoryService(Service[DirectorySettings]):
         burst of registrations (a fresh deployment, a restart of many services) autovacuum can
         take a minute to notice, during which inquiries would scan every entry.
         """
-        total, unhealthy = await self.store.count_healthy()
-        entries_gauge.labels("healthy").set(total - unhealthy)
-        entries_gauge.labels("unhealthy").set(unhealthy)
+        counts = await self.store.count_by_type()
+        total = sum(counts.values())
+        for type_name, service_type in SERVICE_TYPES.items():
+            for unhealthy, health in ((False, "healthy"), (True, "unhealthy")):
+                entries_gauge.labels(type_name, health).set(counts.get((service_type, unhealthy), 0))
         analyzed = self._analyzed_at_count
         if (
             self.database.is_postgresql

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from services.directory.core import Directory
+from services.directory.core import Directory, deregistrations_total, inquiries_total, registrations_total
 from services.directory.model import (
     UNKNOWN_SERVICE,
     VALID_PROTOCOLS,
@@ -231,6 +231,8 @@ class DirectoryServicer(VersionStatusMixin):
                 registration = registration_from_request(request)
                 service_id, secret = await self.directory.register(registration, token)
             except Exception as error:
+                # Refused: the client's mistake; failed: the database, or a bug.
+                registrations_total.labels("refused" if isinstance(error, ServiceError) else "failed").inc()
                 message = _refusal(error, "Could not add service to database", "register a service")
                 yield directory_pb2.RegisterReply(
                     status=directory_pb2.RegisterReply.FAILED, error_msg=message
@@ -248,6 +250,8 @@ class DirectoryServicer(VersionStatusMixin):
             try:
                 await self.directory.deregister(request.service_id, request.secret, token)
             except Exception as error:
+                if not isinstance(error, ServiceError):  # the others are counted by the core
+                    deregistrations_total.labels("failed").inc()
                 failed = f"Failed to deregister service ID [{request.service_id}]: database error"
                 message = _refusal(error, failed, "deregister a service")
                 yield directory_pb2.DeregisterReply(
@@ -266,6 +270,7 @@ class DirectoryServicer(VersionStatusMixin):
         if stamp is not None:
             answer = self.answers.get(request, metadata_token, stamp)
             if answer is not None:
+                inquiries_total.inc("remembered", "found" if answer else "none")
                 for reply in answer:
                     yield reply
                 return

@@ -662,11 +662,13 @@ class DirectoryStore:
         (row,) = await self.db.fetch(select(func.count()).select_from(services))
         return int(row[0])
 
-    async def count_healthy(self) -> tuple[int, int]:
-        """(all entries, entries whose last check failed)."""
-        unhealthy = func.count().filter(services.c.failed_checks > 0)
-        (row,) = await self.db.fetch(select(func.count(), unhealthy).select_from(services))
-        return int(row[0]), int(row[1])
+    async def count_by_type(self) -> dict[tuple[int, bool], int]:
+        """Entries by (service type, whether their last check failed); absent pairs have none."""
+        failed = services.c.failed_checks > 0
+        rows = await self.db.fetch(
+            select(services.c.service_type, failed, func.count()).group_by(services.c.service_type, failed)
+        )
+        return {(int(row[0]), bool(row[1])): int(row[2]) for row in rows}
 
     async def refresh_statistics(self) -> None:
         """Have PostgreSQL re-read the directory tables' statistics (its plans depend on them)."""

@@ -17,12 +17,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
+from services.model_registry import metrics
 from services.model_registry.blobstore import BlobStore, BlobStoreError, DigestMismatch
 from services.model_registry.hot_versions import HotVersions
 from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo, VersionRecord
 from services.model_registry.store import RegistryStore, model_changes_key, model_key
 from shared.dependencies import Dependencies
-from shared.errors import InvalidArgument, NotFound
+from shared.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.supervision import FailureStreak, Periodic, cancel_and_wait
@@ -55,6 +56,29 @@ def clamp_count(count: int) -> int | None:
     return min(count, MAX_POSITION) or None
 
 
+class SizeMismatch(InvalidArgument):
+    """An upload's data is not of the size its header announced."""
+
+
+class HashMismatch(InvalidArgument):
+    """An upload's data is not of the SHA-256 its header announced."""
+
+
+def refusal_reason(error: BaseException) -> str | None:
+    """Why an upload (CreateVersion) that failed with `error` was refused (a `reason` of
+    metrics.refused_uploads_total), or None if it was not: the registry failed, not the client
+    (an outage, a full disk, a bug), or the client went away."""
+    if isinstance(error, SizeMismatch):
+        return metrics.REFUSED_SIZE
+    if isinstance(error, HashMismatch):
+        return metrics.REFUSED_HASH
+    if isinstance(error, NotFound):  # the only thing an upload names is its model
+        return metrics.REFUSED_UNKNOWN_MODEL
+    if isinstance(error, InvalidArgument | PermissionDenied | FailedPrecondition):
+        return metrics.REFUSED_OTHER
+    return None
+
+
 class ModelRegistry:
     def __init__(
         self,
@@ -77,6 +101,11 @@ class ModelRegistry:
 
     def start(self) -> None:
         self._collector.start()
+
+    @property
+    def version_update_streams(self) -> int:
+        """VersionUpdate streams open here."""
+        return sum(watch.streams for watch in self._watches.values())
 
     async def stop(self) -> None:
         await self._collector.stop()
@@ -121,29 +150,32 @@ class ModelRegistry:
         blob_key = f"versions/{model_key(header.model_id)}/{secrets.token_hex(16)}"
         await self._store.record_upload(blob_key, _after(STALE_UPLOAD_S))
         upload = await self._blobs.open_upload(blob_key)
-        async with upload:  # aborted (no stored bytes) unless committed
-            received = 0
-            async for chunk in chunks:
-                received += len(chunk)
-                if received > header.data_size:
-                    raise InvalidArgument(
-                        f"received more data than expected: expected {header.data_size} bytes, "
-                        f"received at least {received} bytes"
+        received = 0
+        try:
+            async with upload:  # aborted (no stored bytes) unless committed
+                async for chunk in chunks:
+                    received += len(chunk)
+                    if received > header.data_size:
+                        raise SizeMismatch(
+                            f"received more data than expected: expected {header.data_size} bytes, "
+                            f"received at least {received} bytes"
+                        )
+                    await upload.write(chunk)
+                if received != header.data_size:
+                    raise SizeMismatch(
+                        "stream ended while having not received the expected data, "
+                        f"expected {header.data_size} bytes, received {received} bytes"
                     )
-                await upload.write(chunk)
-            if received != header.data_size:
-                raise InvalidArgument(
-                    "stream ended while having not received the expected data, "
-                    f"expected {header.data_size} bytes, received {received} bytes"
-                )
-            try:
-                # Checked before the blob is published: rejected data never becomes an object.
-                size, data_hash = await upload.commit(header.data_hash)
-            except DigestMismatch as mismatch:
-                raise InvalidArgument(
-                    f'received data did not match the expected hash, expected "{quoted(header.data_hash)}", '
-                    f'received "{mismatch.actual}"'
-                ) from None
+                try:
+                    # Checked before the blob is published: rejected data never becomes an object.
+                    size, data_hash = await upload.commit(header.data_hash)
+                except DigestMismatch as mismatch:
+                    raise HashMismatch(
+                        "received data did not match the expected hash, expected "
+                        f'"{quoted(header.data_hash)}", received "{mismatch.actual}"'
+                    ) from None
+        finally:
+            metrics.received_bytes_total.inc(amount=received)
         now = time.time_ns()
         info = await self._store.commit_version(
             header.model_id,
@@ -157,6 +189,7 @@ class ModelRegistry:
         )
         if info is None:  # the model was deleted meanwhile; the blob is collected as garbage
             raise NotFound(f'no model "{quoted(header.model_id)}" found')
+        metrics.versions_created_total.inc("true" if info.archived else "false")
         log.debug("version created", model_id=info.model_id, version=info.version_number, size=size)
         if not info.archived:
             await self._evict_transient()
@@ -236,13 +269,21 @@ class ModelRegistry:
                 self.chunk_size,
             )
             if hot is not None:
-                async for view in hot:
-                    yield view
+                sent = 0
+                try:
+                    async for view in hot:
+                        sent += len(view)
+                        yield view
+                finally:
+                    metrics.sent_bytes_total.inc(amount=sent)
                 return
-        sent = False
-        async for chunk in self._blobs.read(record.blob_key, self.chunk_size):
-            sent = True
-            yield chunk
+        sent = 0
+        try:
+            async for chunk in self._blobs.read(record.blob_key, self.chunk_size):
+                sent += len(chunk)
+                yield chunk
+        finally:
+            metrics.sent_bytes_total.inc(amount=sent)
         if not sent:
             yield b""
 

@@ -19,15 +19,13 @@ import mmap
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
-from prometheus_client import Counter, Gauge
-
-from shared.logging import get_logger
-
-hits_total = Counter("cogment_model_registry_data_cache_hits_total", "Version data served from memory.")
-misses_total = Counter(
-    "cogment_model_registry_data_cache_misses_total", "Version data read from the blob store."
+from services.model_registry.metrics import (
+    data_cache_bytes,
+    data_cache_evictions_total,
+    data_cache_hits_total,
+    data_cache_misses_total,
 )
-cached_bytes = Gauge("cogment_model_registry_data_cache_bytes", "Bytes of version data held in memory.")
+from shared.logging import get_logger
 
 log = get_logger("model_registry.hot_versions")
 
@@ -81,13 +79,13 @@ class HotVersions:
         data = self._items.get(blob_key)
         if data is not None:
             self._items.move_to_end(blob_key)
-            hits_total.inc()
+            data_cache_hits_total.inc()
             return _slices(data, chunk_size)
         loading = self._loading.get(blob_key)
         if loading is not None:
-            hits_total.inc()
+            data_cache_hits_total.inc()
             return _following(loading, chunk_size)
-        misses_total.inc()
+        data_cache_misses_total.inc()
         if not self._reserve(size):
             return None
         loading = self._loading[blob_key] = _Load(size)
@@ -118,7 +116,7 @@ class HotVersions:
         finally:
             del self._loading[blob_key]
             self._loading_bytes -= size
-            cached_bytes.set(self._size)
+            data_cache_bytes.set(self._size)
             loading.step()
 
     def forget(self, blob_keys: Iterable[str]) -> None:
@@ -140,14 +138,15 @@ class HotVersions:
         while self._size + size > self.budget_bytes:
             _, evicted = self._items.popitem(last=False)
             self._size -= len(evicted)
+            data_cache_evictions_total.inc()
         self._size += size
         self._loading_bytes += size
-        cached_bytes.set(self._size)
+        data_cache_bytes.set(self._size)
         return True
 
     def _release(self, size: int) -> None:
         self._size -= size
-        cached_bytes.set(self._size)
+        data_cache_bytes.set(self._size)
 
 
 async def _slices(data: memoryview, chunk_size: int) -> AsyncIterator[memoryview]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from services.model_registry import metrics
 from services.model_registry.blobstore import BlobStore, BlobStoreError, LocalBlobStore, S3BlobStore
 from services.model_registry.core import ModelRegistry
 from services.model_registry.servicer import ModelRegistryServicer, add_model_registry_servicer
@@ -121,6 +122,8 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
             dependencies=self.dependencies,
         )
         self.dependencies.add(Dependency("blob store", self.blobs.probe))
+        registry = self.registry
+        metrics.watch(subscribers=lambda: registry.version_update_streams)
         self.registration = self.directory_registration([directory_pb2.MODEL_REGISTRY_SERVICE])
 
     @property

@@ -8,7 +8,8 @@ from typing import Any
 
 import grpc
 
-from services.model_registry.core import ModelRegistry
+from services.model_registry import metrics
+from services.model_registry.core import ModelRegistry, refusal_reason
 from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo
 from shared.api import model_registry_pb2
 from shared.errors import InvalidArgument, NotFound
@@ -118,6 +119,17 @@ class ModelRegistryServicer(VersionStatusMixin):
 
     async def CreateVersion(
         self, request_iterator: AsyncIterator[model_registry_pb2.CreateVersionRequestChunk], context: Any
+    ) -> model_registry_pb2.CreateVersionReply:
+        try:
+            return await self._create_version(request_iterator)
+        except Exception as error:
+            reason = refusal_reason(error)
+            if reason is not None:
+                metrics.refused_uploads_total.inc(reason)
+            raise
+
+    async def _create_version(
+        self, request_iterator: AsyncIterator[model_registry_pb2.CreateVersionRequestChunk]
     ) -> model_registry_pb2.CreateVersionReply:
         first = await anext(request_iterator, None)
         if first is None:

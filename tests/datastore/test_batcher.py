@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.datastore.batcher import NO_STATE, IngestionBuffer, SampleBatcher
+from services.datastore.metrics import DATALOG_API
 from services.datastore.store import DatastoreStore, SampleAppend
 from shared.api import common_pb2
 from shared.db import Database
@@ -45,7 +46,7 @@ async def test_batches_are_bounded_and_streams_keep_their_order(store: Recording
     seqs = [await store.upsert_trial(f"t{index}", "u", b"", {}, 0) for index in range(3)]
     batcher = SampleBatcher(store, max_samples=50)
     batcher.start()
-    buffers = [batcher.open(seq) for seq in seqs]
+    buffers = [batcher.open(seq, DATALOG_API) for seq in seqs]
     for number in range(120):
         for buffer in buffers:
             buffer.add(f"{buffer.trial_seq}:{number}".encode(), common_pb2.RUNNING)
@@ -78,7 +79,7 @@ async def test_a_deleted_trial_fails_its_stream_only(store: RecordingStore) -> N
     batcher = SampleBatcher(store)
     batcher.start()
     await store.delete_trials(["deleted"])
-    buffers = [batcher.open(kept), batcher.open(deleted)]
+    buffers = [batcher.open(kept, DATALOG_API), batcher.open(deleted, DATALOG_API)]
     for buffer in buffers:
         buffer.add(b"x", NO_STATE)
     await asyncio.wait_for(asyncio.gather(*(_settled(buffer) for buffer in buffers)), 30)
@@ -90,7 +91,7 @@ async def test_a_deleted_trial_fails_its_stream_only(store: RecordingStore) -> N
 async def test_bytes_in_flight_are_bounded_per_stream_and_per_process(store: RecordingStore) -> None:
     seqs = [await store.upsert_trial(name, "u", b"", {}, 0) for name in ["a", "b", "gone"]]
     batcher = SampleBatcher(store, max_stream_bytes=100, max_in_flight_bytes=250)
-    first, second, doomed = (batcher.open(seq) for seq in seqs)
+    first, second, doomed = (batcher.open(seq, DATALOG_API) for seq in seqs)
     first.add(b"x" * 99, NO_STATE)
     assert batcher.has_room(first)
     first.add(b"x", NO_STATE)  # its own bound reached: only this stream waits
@@ -165,7 +166,7 @@ async def test_a_steady_flow_shares_transactions_a_sample_after_a_quiet_spell_do
     quiet, first, second = [await store.upsert_trial(name, "u", b"", {}, 0) for name in "qfs"]
     batcher = SampleBatcher(store, interval_s=0.5)
     batcher.start()
-    buffers = [batcher.open(seq) for seq in (quiet, first, second)]
+    buffers = [batcher.open(seq, DATALOG_API) for seq in (quiet, first, second)]
     buffers[0].add(b"q", NO_STATE)
     await asyncio.wait_for(_committed(buffers[0], 1), 30)  # nothing written lately: at once
     buffers[1].add(b"f", NO_STATE)
@@ -180,7 +181,7 @@ async def test_a_full_batch_and_a_stop_do_not_wait_for_the_interval(store: Recor
     seqs = [await store.upsert_trial(name, "u", b"", {}, 0) for name in "abcd"]
     batcher = SampleBatcher(store, max_samples=2, max_bytes=100, interval_s=3600.0)
     batcher.start()
-    first, large, two, last = (batcher.open(seq) for seq in seqs)
+    first, large, two, last = (batcher.open(seq, DATALOG_API) for seq in seqs)
     first.add(b"a", NO_STATE)
     await asyncio.wait_for(_committed(first, 1), 30)
     large.add(b"x" * 100, NO_STATE)  # a batch full by bytes: written within the hour

@@ -17,6 +17,7 @@ from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
 from tests.fixtures.postgres import PostgresCluster, new_database_name
 from tests.helpers.datastore import datalog_sample, read_samples, trial_params
+from tests.helpers.exposed_metrics import delta, exposed
 from tests.helpers.health import NOT_SERVING, SERVING, health, wait_for_health
 from tests.helpers.running import RunningDatastore, make_datastore_factory
 from tests.helpers.services import start_service
@@ -83,6 +84,7 @@ async def test_postgresql_outage_loses_nothing_and_recovers_by_itself(
     await stream.wait_acks(21)
     live = asyncio.create_task(read_samples(other, ["t-outage"]))  # a live reader on the other replica
 
+    before = exposed("cogment_trial_datastore_")
     faulty_postgres.pause()
     await wait_for_health(writer.channel, NOT_SERVING)
     await wait_for_health(other.channel, NOT_SERVING)
@@ -97,6 +99,10 @@ async def test_postgresql_outage_loses_nothing_and_recovers_by_itself(
 
     faulty_postgres.resume()
     recovered_s = await stream.wait_acks(41)
+    held = delta(
+        before, exposed("cogment_trial_datastore_"), "cogment_trial_datastore_outage_held_batches_total"
+    )
+    assert held >= 1  # the batch of the samples sent during the outage
     print(f"datastore: the held samples were committed {recovered_s:.3f} s after PostgreSQL came back")
     await wait_for_health(writer.channel, SERVING)
     await wait_for_health(other.channel, SERVING)
@@ -155,9 +161,12 @@ async def test_a_killed_ingesting_replica_leaves_no_trial_running(postgres_url: 
             live = asyncio.create_task(read_samples(survivor, ["t-killed"]))
             await asyncio.sleep(0.5)
             assert not live.done(), "the reader ended while the trial was being ingested"
+            before = exposed("cogment_trial_datastore_")
             doomed.process.send_signal(signal.SIGKILL)
             started = time.monotonic()
             stored = await asyncio.wait_for(live, WAIT_S)
+            closures = "cogment_trial_datastore_lease_closures_total"
+            assert delta(before, exposed("cogment_trial_datastore_"), closures) == 1
             closed_s = time.monotonic() - started
             print(f"datastore: the killed replica's trial was closed {closed_s:.3f} s after the kill")
             assert [sample.tick_id for sample in stored] == list(range(30))

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.directory.index import PAGE_ENTRIES, EntryIndex, FollowedIndex
+from services.directory.index import PAGE_ENTRIES, EntryIndex, FollowedIndex, lag_seconds
 from services.directory.model import (
     COGMENT,
     GRPC,
@@ -124,6 +124,30 @@ async def test_the_followed_index_holds_what_was_written_and_pages_wide_answers(
         await store.remove(added[0][0])
         await index.caught_up()
         assert len(index.index) == PAGE_ENTRIES + 4
+    finally:
+        await index.stop()
+        await database.close()
+
+
+async def test_the_lag_is_measured_for_each_pass_that_applies_heard_changes(tmp_path: Path) -> None:
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'index.db'}")
+    await database.migrate()
+    feed = ChangeFeed(database, "test")
+    store = DirectoryStore(database, feed)
+    index = FollowedIndex(store, listening=True)
+    feed.follow(index)
+    index.start()
+    try:
+        await index.caught_up()
+        before = lag_seconds.count()
+        for n in range(3):  # read back by the index, as a change heard of (see above)
+            registration = Registration(Endpoint(GRPC, "a", 1), 3, {"n": str(n)}, permanent=True)
+            service_id, _, _ = await store.add(registration, "t", time.time_ns())
+            await index.caught_up()
+            assert service_id in index.index
+        assert lag_seconds.count() == before + 3
+        await index.caught_up()  # a pass with nothing heard of: no lag
+        assert lag_seconds.count() == before + 3
     finally:
         await index.stop()
         await database.close()

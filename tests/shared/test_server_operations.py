@@ -36,8 +36,9 @@ from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.directory.service import DirectoryService
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
 from shared.config import parse_options
+from shared.endpoints import SERVICE_TYPES
 from shared.logging import LEVELS
-from shared.version import COGMENT_API_VERSION
+from shared.version import COGMENT_API_VERSION, PACKAGE_VERSION
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import run_in_process
 from tests.helpers.services import PROJECT_ROOT, RunningService, clean_environment, start_service
@@ -440,10 +441,26 @@ def test_metrics_count_calls_by_method_and_code(served: RunningService) -> None:
     ]
     assert len(buckets) > 1  # the latency histogram has finite buckets besides +Inf
 
-    # The directory's own gauge, published from start-up.
+    # The directory's own: the entries gauge has every type and health from start-up.
     for health in ("healthy", "unhealthy"):
-        assert ("cogment_directory_entries", frozenset({("health", health)})) in after
-        assert sample(after, "cogment_directory_entries", health=health) >= 0
+        for type_name in SERVICE_TYPES:
+            labels = frozenset({("type", type_name), ("health", health)})
+            assert ("cogment_directory_entries", labels) in after
+            assert sample(after, "cogment_directory_entries", type=type_name, health=health) >= 0
+    # The three missing ones found nothing (from the index, or a remembered answer); the invalid
+    # one was not answered.
+    none = sum(
+        delta("cogment_directory_inquiries_total", source=source, outcome="none")
+        for source in ("memory", "remembered", "database")
+    )
+    assert none == 3
+    assert delta("cogment_directory_inquiries_total", source="database", outcome="none") == 0
+    assert delta("cogment_directory_registrations_total", outcome="created") == 1
+    # Every service's, labelled with its name.
+    assert sample(after, "cogment_ready", service="directory") == 1
+    assert sample(after, "cogment_dependency_up", service="directory", dependency="database") == 1
+    build = {"version": PACKAGE_VERSION, "cogment_api": COGMENT_API_VERSION}
+    assert sample(after, "cogment_build_info", service="directory", **build) == 1
 
 
 def test_taken_metrics_port_exits_before_serving(tmp_path: Path) -> None:

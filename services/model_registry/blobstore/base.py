@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+from services.model_registry.metrics import blob_operation, blob_operation_failures_total
 from shared.errors import DependencyError
 from shared.logging import get_logger
 
@@ -219,7 +220,7 @@ class BlobUpload(abc.ABC):
         if not isinstance(chunk, bytes):
             chunk = bytes(chunk)  # a mutable buffer may change after this returns: keep a copy
         try:
-            with _backend_errors(f"writing blob {self.key!r}"):
+            with blob_operation("write"), _backend_errors(f"writing blob {self.key!r}"):
                 await self._write(chunk)
         except BaseException:
             self._failed = True  # the stored bytes may now miss some: only abort is left
@@ -297,7 +298,10 @@ class BlobUpload(abc.ABC):
 
     async def _commit_or_discard(self, expected_digest: str) -> tuple[int, str]:
         try:
-            with _backend_errors(f"committing blob {self.key!r}"):
+            with (
+                blob_operation("commit", answers=(DigestMismatch,)),
+                _backend_errors(f"committing blob {self.key!r}"),
+            ):
                 await self._commit(functools.partial(self._check_digest, expected_digest))
         except BaseException:
             await self._quietly(self._discard(), "removing a failed upload")
@@ -305,6 +309,10 @@ class BlobUpload(abc.ABC):
         return self._size, _encode_digest(self._hasher)
 
     async def _abort(self) -> None:
+        with blob_operation("abort"):  # its failures are counted by _quietly
+            await self._abort_or_remove()
+
+    async def _abort_or_remove(self) -> None:
         if self._commit_task is None:
             await self._quietly(self._discard(), "aborting an upload")
             return
@@ -320,6 +328,7 @@ class BlobUpload(abc.ABC):
         try:
             await work
         except Exception as error:
+            blob_operation_failures_total.inc("abort")
             log.warning(f"{action} failed", key=self.key, error=_describe(error))
 
 
@@ -343,7 +352,7 @@ class BlobStore(abc.ABC):
 
     async def probe(self) -> None:
         """Raises if the store cannot be used right now (see shared.dependencies)."""
-        with _backend_errors(f"reaching {self.description}"):
+        with blob_operation("probe"), _backend_errors(f"reaching {self.description}"):
             await self._run(self._probe)
 
     @abc.abstractmethod
@@ -352,7 +361,10 @@ class BlobStore(abc.ABC):
 
     async def open_upload(self, key: str) -> BlobUpload:
         validate_key(key)
-        with _backend_errors(f"starting an upload of {key!r} to {self.description}"):
+        with (
+            blob_operation("open_upload"),
+            _backend_errors(f"starting an upload of {key!r} to {self.description}"),
+        ):
             return await self._open_upload(key)
 
     def read(self, key: str, chunk_size: int) -> AsyncIterator[bytes]:
@@ -374,7 +386,10 @@ class BlobStore(abc.ABC):
         validate_key(key)
         loop = asyncio.get_running_loop()
         stop = threading.Event()
-        with _backend_errors(f"reading blob {key!r} from {self.description}"):
+        with (
+            blob_operation("load", answers=(BlobNotFound,)),
+            _backend_errors(f"reading blob {key!r} from {self.description}"),
+        ):
             filling = self._executor.submit(
                 _fill, self._open_source, key, buffer, chunk_size, loop, arrived, stop
             )
@@ -386,7 +401,7 @@ class BlobStore(abc.ABC):
     async def delete(self, key: str) -> None:
         """Remove the blob; nothing happens if there is none."""
         validate_key(key)
-        with _backend_errors(f"deleting blob {key!r} from {self.description}"):
+        with blob_operation("delete"), _backend_errors(f"deleting blob {key!r} from {self.description}"):
             await self._run(self._delete, key)
 
     async def cleanup_incomplete(self, older_than_s: float) -> int:
@@ -394,7 +409,10 @@ class BlobStore(abc.ABC):
         `older_than_s` seconds; uploads in progress in this process are left alone. Returns how
         many were removed. Other processes' uploads look abandoned: keep the threshold above the
         longest upload (S3 dates an upload from its start; a local temp file from its last write)."""
-        with _backend_errors(f"cleaning up incomplete uploads in {self.description}"):
+        with (
+            blob_operation("cleanup"),
+            _backend_errors(f"cleaning up incomplete uploads in {self.description}"),
+        ):
             return await self._cleanup_incomplete(older_than_s)
 
     async def close(self) -> None:
@@ -422,7 +440,10 @@ class BlobStore(abc.ABC):
     async def _read(self, key: str, chunk_size: int) -> AsyncIterator[bytes]:
         opening = self._executor.submit(self._open_source, key)
         try:
-            with _backend_errors(f"reading blob {key!r} from {self.description}"):
+            with (
+                blob_operation("read", answers=(BlobNotFound,)),
+                _backend_errors(f"reading blob {key!r} from {self.description}"),
+            ):
                 source = await _result(opening)
         except asyncio.CancelledError:
             opening.add_done_callback(_close_when_opened)
@@ -433,7 +454,7 @@ class BlobStore(abc.ABC):
         ahead = self._executor.submit(_read_exact, source, chunk_size)
         try:
             while ahead is not None:
-                with _backend_errors(f"reading blob {key!r} from {self.description}"):
+                with blob_operation("read"), _backend_errors(f"reading blob {key!r} from {self.description}"):
                     chunk = await _result(ahead)
                 ahead = None
                 if len(chunk) == chunk_size:
