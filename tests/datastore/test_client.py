@@ -657,12 +657,13 @@ async def test_an_interrupted_import_leaves_no_trial(datastore: RunningDatastore
             await asyncio.sleep(0.05)
         assert set(await infos(datastore)) == {"a", "b"}
         process.send_signal(signal.SIGINT)
+        # Its input stays open until it said so: closed sooner, the truncated file could fail the
+        # import first (and it waits for the thread reading its input to end before exiting).
+        assert process.stderr is not None
+        said = await asyncio.to_thread(process.stderr.readline)
+        assert said == b"Interrupted: nothing was imported: the 2 trials it had created were deleted\n"
         out, err = await asyncio.to_thread(process.communicate, None, 60)
-        assert process.returncode == 130, err
-        assert (out, err) == (
-            b"",
-            b"Interrupted: nothing was imported: the 2 trials it had created were deleted\n",
-        )
+        assert (process.returncode, out, err) == (130, b"", b"")
     finally:
         if process.poll() is None:  # an assertion failed first: the import still waits for its input
             process.kill()

@@ -268,16 +268,25 @@ async def import_trials(
             cause = f"cannot read [{source}]: {error.strerror or error}"
         else:
             cause = str(error)
-        raise ClientError(f"{cause}; {await _delete_created(client, importer.created)}") from None
+        raise ClientError(f"{cause}; {await _delete_to_the_end(client, importer.created)}") from None
     except asyncio.CancelledError:
         # Interrupted (Ctrl-C): the trials it created are deleted all the same, and the
         # cancellation goes on, carrying what became of them.
         importer.cancel()
-        outcome = await asyncio.shield(_delete_created(client, importer.created))
-        raise asyncio.CancelledError(outcome) from None
+        raise asyncio.CancelledError(await _delete_to_the_end(client, importer.created)) from None
     finally:
         importer.cancel()
     return importer.counts
+
+
+async def _delete_to_the_end(client: DatastoreClient, created: Sequence[str]) -> str:
+    """`_delete_created`, carried to its end even when the caller is cancelled meanwhile (Ctrl-C
+    during the clean-up of a failure): then a CancelledError carries what became of the trials."""
+    deletion = asyncio.ensure_future(_delete_created(client, created))
+    try:
+        return await asyncio.shield(deletion)
+    except asyncio.CancelledError:
+        raise asyncio.CancelledError(await deletion) from None
 
 
 async def _delete_created(client: DatastoreClient, created: Sequence[str]) -> str:
