@@ -189,23 +189,25 @@ class PlainHistogram(Collector):  # type: ignore[misc]
 rpc_metrics = _RpcCollector()
 REGISTRY.register(rpc_metrics)
 
-# Every service's: labelled by `service` (its name: directory, model_registry, trial_datastore),
-# so that dashboards tell processes apart. Set on changes, not per call.
+# Every service's: labelled by `cogment_service` (its name: directory, model_registry,
+# trial_datastore), so that dashboards tell processes apart. Not `service`: the Prometheus
+# Operator gives every target that label (the Kubernetes Service's name), which would rename ours
+# to `exported_service`. Set on changes, not per call.
 build_info = Gauge(
     "cogment_build_info",
     "Always 1: the cogment-aux version and the Cogment API version it implements.",
-    ["service", "version", "cogment_api"],
+    ["cogment_service", "version", "cogment_api"],
 )
 ready = Gauge(
-    "cogment_ready", '1 while the service is ready (its health for "" is SERVING), else 0.', ["service"]
+    "cogment_ready", '1 while the service is ready (its health for "" is SERVING), else 0.', ["cogment_service"]
 )
 dependency_up = Gauge(
-    "cogment_dependency_up", "1 while a dependency answers its probes, else 0.", ["service", "dependency"]
+    "cogment_dependency_up", "1 while a dependency answers its probes, else 0.", ["cogment_service", "dependency"]
 )
 dependency_changes_total = Counter(
     "cogment_dependency_changes_total",
     "A dependency going down (state=down) or coming back (state=up).",
-    ["service", "dependency", "state"],
+    ["cogment_service", "dependency", "state"],
 )
 
 

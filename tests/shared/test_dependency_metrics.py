@@ -17,7 +17,7 @@ SERVICE = "dependency_metrics_test"  # a label no service uses: other tests' fig
 
 
 def value(name: str, **labels: str) -> float | None:
-    return REGISTRY.get_sample_value(name, {"service": SERVICE, **labels})
+    return REGISTRY.get_sample_value(name, {"cogment_service": SERVICE, **labels})
 
 
 async def test_up_and_transitions_follow_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from tests.helpers.services import PROJECT_ROOT, RunningService, start_service
 
 pytestmark = pytest.mark.timeout(120)
 
-# Each service's `service` label and module, and the prefix of its own families.
+# Each service's `cogment_service` label and module, and the prefix of its own families.
 SERVICES = {
     "directory": ("services.directory", "cogment_directory_"),
     "model_registry": ("services.model_registry", "cogment_model_registry_"),
@@ -125,10 +125,10 @@ def test_common_families_carry_the_service_label(service: str, exposed: dict[str
         for family in text_string_to_metric_families(exposed[service])
         for sample in family.samples
     }
-    assert samples[("cogment_ready", frozenset({("service", service)}))] == 1
-    database = frozenset({("service", service), ("dependency", "database")})
+    assert samples[("cogment_ready", frozenset({("cogment_service", service)}))] == 1
+    database = frozenset({("cogment_service", service), ("dependency", "database")})
     assert samples[("cogment_dependency_up", database)] == 1
     build = frozenset(
-        {("service", service), ("version", PACKAGE_VERSION), ("cogment_api", COGMENT_API_VERSION)}
+        {("cogment_service", service), ("version", PACKAGE_VERSION), ("cogment_api", COGMENT_API_VERSION)}
     )
     assert samples[("cogment_build_info", build)] == 1

@@ -457,10 +457,10 @@ def test_metrics_count_calls_by_method_and_code(served: RunningService) -> None:
     assert delta("cogment_directory_inquiries_total", source="database", outcome="none") == 0
     assert delta("cogment_directory_registrations_total", outcome="created") == 1
     # Every service's, labelled with its name.
-    assert sample(after, "cogment_ready", service="directory") == 1
-    assert sample(after, "cogment_dependency_up", service="directory", dependency="database") == 1
+    assert sample(after, "cogment_ready", cogment_service="directory") == 1
+    assert sample(after, "cogment_dependency_up", cogment_service="directory", dependency="database") == 1
     build = {"version": PACKAGE_VERSION, "cogment_api": COGMENT_API_VERSION}
-    assert sample(after, "cogment_build_info", service="directory", **build) == 1
+    assert sample(after, "cogment_build_info", cogment_service="directory", **build) == 1
 
 
 def test_taken_metrics_port_exits_before_serving(tmp_path: Path) -> None:
