@@ -26,19 +26,21 @@ test: install check-generated lint typecheck pytest
 
 check-generated: install
 	$(BIN)/python -m shared.protos.generate --check
+	$(BIN)/python -m deploy.dashboards --check
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	$(BIN)/mypy shared services bench
+	$(BIN)/mypy shared services bench deploy
 
 pytest: install
 	$(BIN)/python -m pytest -q
 
 generate: install
 	$(BIN)/python -m shared.protos.generate
+	$(BIN)/python -m deploy.dashboards
 
 bench: install
 	$(BIN)/python bench/directory.py

@@ -19,6 +19,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from deploy.dashboards import DASHBOARDS
 from services.cli import main as cogment_aux
 from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
@@ -120,9 +121,9 @@ def test_rendered_manifests_pass_kubernetes_validate_strict(values: list[Path], 
     )
     output = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 0, "\n".join(output)
-    # The only kind without a Kubernetes schema is the Prometheus Operator's ServiceMonitor
-    # (checked against its Service below).
-    unknown = [line for line in output if "ServiceMonitor" not in line]
+    # The only kinds without a Kubernetes schema are the Prometheus Operator's ServiceMonitor
+    # (checked against its Service below) and PrometheusRule (tests/deploy/test_prometheus_rules.py).
+    unknown = [line for line in output if "ServiceMonitor" not in line and "PrometheusRule" not in line]
     assert unknown == [], "\n".join(unknown)
 
 
@@ -209,7 +210,7 @@ def test_the_chart_readme_lists_every_value() -> None:
 
 SERVICE_KEYS = {"directory", "modelRegistry", "datastore"}
 PASSTHROUGH_VALUES = {"resources", "podSecurityContext", "containerSecurityContext", "startup", "liveness",
-                      "readiness"}  # fmt: skip
+                      "readiness", "labels"}  # fmt: skip
 
 
 def _value_paths(values: dict[str, Any], prefix: str = "") -> Iterator[str]:
@@ -232,6 +233,7 @@ def test_default_values_deploy_three_services_on_sqlite(default_manifests: list[
     assert of_kind(default_manifests, "Job") == []  # no migration Job with SQLite
     assert of_kind(default_manifests, "PodDisruptionBudget") == []
     assert of_kind(default_manifests, "NetworkPolicy") == of_kind(default_manifests, "ServiceMonitor") == []
+    assert of_kind(default_manifests, "ConfigMap") == of_kind(default_manifests, "PrometheusRule") == []
     for component, deployment in deployments.items():
         assert deployment["spec"]["replicas"] == 1
         # The SQLite file is on a ReadWriteOnce claim: the old pod lets go before the new one starts.
@@ -525,11 +527,31 @@ def test_scale_out_values(scale_out_manifests: list[Manifest]) -> None:
     )
 
 
+def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar(scale_out_manifests: list[Manifest]) -> None:
+    """Each dashboard of deploy/dashboards, as rendered into the chart, in a ConfigMap that the
+    sidecar of kube-prometheus-stack loads (label grafana_dashboard: "1")."""
+    maps = {m["metadata"]["name"]: m for m in of_kind(scale_out_manifests, "ConfigMap")}
+    generated = {path.name: path.read_text() for path in (CHART_DIR / "dashboards").glob("*.json")}
+    assert set(generated) == {f"{name}.json" for name in DASHBOARDS}
+    shipped = {}
+    for name, config_map in maps.items():
+        assert name.startswith("cogment-cogment-aux-dashboard-")
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert config_map["metadata"]["annotations"] == {"grafana_folder": "Cogment"}
+        ((key, text),) = config_map["data"].items()
+        shipped[key.removeprefix("cogment-aux-")] = text
+    assert shipped == {name: text.rstrip("\n") for name, text in generated.items()}
+    uids = {json.loads(text)["uid"] for text in shipped.values()}
+    assert len(uids) == len(shipped)
+    (rule,) = of_kind(scale_out_manifests, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+
+
 def test_postgresql_s3_values_need_two_secrets_and_nothing_else() -> None:
     """The minimal install on the user's PostgreSQL and S3: no TLS, no operator resources."""
     manifests = render([POSTGRESQL_S3_VALUES])
     kinds = {manifest["kind"] for manifest in manifests}
-    assert not kinds & {"ServiceMonitor", "NetworkPolicy", "Certificate"}
+    assert not kinds & {"ServiceMonitor", "PrometheusRule", "ConfigMap", "NetworkPolicy", "Certificate"}
     deployments = by_component(manifests, "Deployment")
     referenced = set()
     for _workload, spec, container in containers(manifests):

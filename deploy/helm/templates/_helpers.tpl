@@ -276,3 +276,23 @@ Checks of the values that a schema cannot express; each failure is one clear mes
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The series of this release, as its ServiceMonitors scrape them: the release's namespace, and a
+job per Service (the Prometheus Operator names a job after the Service it scrapes).
+metrics.prometheusRule.selector replaces it for other scrape configurations.
+*/}}
+{{- define "cogment-aux.seriesSelector" -}}
+{{- if .Values.metrics.prometheusRule.selector -}}
+{{- .Values.metrics.prometheusRule.selector -}}
+{{- else -}}
+{{- $root := . -}}
+{{- $jobs := list -}}
+{{- range $key := include "cogment-aux.componentKeys" . | fromJsonArray -}}
+{{- if (index $root.Values $key).enabled -}}
+{{- $jobs = append $jobs (include "cogment-aux.componentName" (dict "root" $root "key" $key)) -}}
+{{- end -}}
+{{- end -}}
+{{- printf "namespace=%q, job=~%q" .Release.Namespace (join "|" $jobs) -}}
+{{- end -}}
+{{- end -}}

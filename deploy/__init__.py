@@ -1,0 +1,1 @@
+"""What deploys the services: the Helm chart (deploy/helm) and the dashboards it ships (deploy/dashboards)."""
