@@ -199,10 +199,14 @@ build_info = Gauge(
     ["cogment_service", "version", "cogment_api"],
 )
 ready = Gauge(
-    "cogment_ready", '1 while the service is ready (its health for "" is SERVING), else 0.', ["cogment_service"]
+    "cogment_ready",
+    '1 while the service is ready (its health for "" is SERVING), else 0.',
+    ["cogment_service"],
 )
 dependency_up = Gauge(
-    "cogment_dependency_up", "1 while a dependency answers its probes, else 0.", ["cogment_service", "dependency"]
+    "cogment_dependency_up",
+    "1 while a dependency answers its probes, else 0.",
+    ["cogment_service", "dependency"],
 )
 dependency_changes_total = Counter(
     "cogment_dependency_changes_total",

@@ -166,6 +166,19 @@ CASES = [
     ),
     Case(
         "CogmentUploadsRefused",
+        "the first refusal of its reason (the series appears with it)",
+        {series(REFUSED, {**REGISTRY, "reason": "size"}): "_ 1 1"},
+        "2m",
+        [{"namespace": NAMESPACE, "job": JOBS["model_registry"], "reason": "size"}],
+    ),
+    Case(
+        "CogmentUploadsRefused",
+        "none refused for 11 minutes",
+        {series(REFUSED, {**REGISTRY, "reason": "size"}): "_ 1x14"},
+        "12m",
+    ),
+    Case(
+        "CogmentUploadsRefused",
         "one refused",
         {series(REFUSED, {**REGISTRY, "reason": "hash"}): "0 1 1"},
         "2m",
@@ -208,6 +221,13 @@ CASES = [
         "INTERNAL answered",
         {series("grpc_server_handled_total", {**DATALOG, "grpc_code": "INTERNAL"}): "0 1 1"},
         "2m",
+        [CALL],
+    ),
+    Case(
+        "CogmentInternalErrors",
+        "the first INTERNAL of a method (the series appears with it)",
+        {series("grpc_server_handled_total", {**DATALOG, "grpc_code": "INTERNAL"}): "_ _ 1 1"},
+        "3m",
         [CALL],
     ),
     Case(

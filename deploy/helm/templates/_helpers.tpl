@@ -296,3 +296,13 @@ metrics.prometheusRule.selector replaces it for other scrape configurations.
 {{- printf "namespace=%q, job=~%q" .Release.Namespace (join "|" $jobs) -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+PromQL true for each group (dict "series" "window" "by") whose counter counted events in the last
+`window`: an increase, or a series that appeared within it. A series is exported from its first
+event on, with that event in its first value, which increase() alone never sees. (Two filters
+joined by `or`: `or` of the raw series would drop the new ones, its matching ignores names.)
+*/}}
+{{- define "cogment-aux.eventsWithin" -}}
+(sum by ({{ .by }}) (increase({{ .series }}[{{ .window }}])) > 0) or (sum by ({{ .by }}) ({{ .series }} unless {{ .series }} offset {{ .window }}) > 0)
+{{- end -}}
