@@ -34,6 +34,7 @@ SERVICES: Mapping[str, Target] = {
     "directory": Target("services.directory.__main__", "the Directory (port 9005)"),
     "model_registry": Target("services.model_registry.__main__", "the Model Registry (port 9002)"),
     "trial_datastore": Target("services.datastore.__main__", "the Trial Datastore (port 9003)"),
+    "console": Target("services.console.service", "the web console (http://127.0.0.1:9010)"),
     "all": Target("services.__main__", "the three, each in its own process"),
 }
 CLIENTS: Mapping[str, Target] = {

@@ -10,6 +10,7 @@ from typing import ClassVar, TypeVar
 
 import grpc
 
+from shared.api import common_pb2
 from shared.channel import ClientTls, TlsFileError, open_channel, tls_for
 from shared.endpoints import GrpcEndpoint, parse_grpc_endpoint
 
@@ -46,6 +47,8 @@ class ServiceClient:
 
     # The service, as messages name it ("model registry").
     service: ClassVar[str]
+    # Its gRPC service, whose `Version` call every Cogment service has ("cogmentAPI.DirectorySP").
+    grpc_service: ClassVar[str]
     # Where the quick start serves it (for the hint given when another service answers).
     default_endpoint: ClassVar[GrpcEndpoint]
 
@@ -80,6 +83,16 @@ class ServiceClient:
         traceback: TracebackType | None,
     ) -> None:
         await self.close()
+
+    async def version(self) -> dict[str, str]:
+        """What the service's `Version` call says: component name -> version."""
+        call = self.channel.unary_unary(
+            f"/{self.grpc_service}/Version",
+            request_serializer=common_pb2.VersionRequest.SerializeToString,
+            response_deserializer=common_pb2.VersionInfo.FromString,
+        )
+        reply: common_pb2.VersionInfo = await call(common_pb2.VersionRequest(), timeout=self.timeout_s)
+        return {version.name: version.version for version in reply.versions}
 
     def no_answer(self) -> str:
         return f"the {self.service} at {self.endpoint} did not answer within {self.timeout_s:g} s"

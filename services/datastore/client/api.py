@@ -59,6 +59,7 @@ class DatastoreClient(ServiceClient):
     """One datastore connection; every call fails at once if the datastore cannot be reached."""
 
     service = "trial datastore"
+    grpc_service = "cogmentAPI.TrialDatastoreSP"
     default_endpoint = DEFAULT_ENDPOINT
 
     def __init__(

@@ -29,6 +29,7 @@ class DirectoryClient(ServiceClient):
     """One directory connection; calls end within `timeout_s`."""
 
     service = "directory"
+    grpc_service = "cogmentAPI.DirectorySP"
     default_endpoint = DEFAULT_ENDPOINT
 
     def __init__(

@@ -26,7 +26,7 @@ import io
 import os
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -90,6 +90,7 @@ class ModelRegistryClient(ServiceClient):
     each call (each chunk of a transfer) within `timeout_s`."""
 
     service = "model registry"
+    grpc_service = "cogmentAPI.ModelRegistrySP"
     default_endpoint = DEFAULT_ENDPOINT
 
     def __init__(
@@ -359,6 +360,14 @@ class ModelRegistryClient(ServiceClient):
     ) -> None:
         """Write the data of the version `info` to `sink`; ClientError if its size or hash differ
         (what was written to `sink` is then to be discarded)."""
+        async with contextlib.aclosing(self.version_chunks(info)) as chunks:
+            async for data in chunks:
+                await asyncio.to_thread(sink.write, data)
+                on_bytes(len(data))
+
+    async def version_chunks(self, info: model_registry_pb2.ModelVersionInfo) -> AsyncGenerator[bytes, None]:
+        """The data of the version `info`, in the chunks the registry sends; a ClientError, after
+        the last chunk, if its size or hash differ (what came is then to be discarded)."""
         what = f"version [{info.version_number}] of model [{info.model_id}]"
         call = self.stub.RetrieveVersionData(
             model_registry_pb2.RetrieveVersionDataRequest(
@@ -380,8 +389,7 @@ class ModelRegistryClient(ServiceClient):
                         f"the data of {what} is larger than its size [{info.data_size}]; download discarded"
                     )
                 digest.update(data)
-                await asyncio.to_thread(sink.write, data)
-                on_bytes(len(data))
+                yield data
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.NOT_FOUND:
                 raise ClientError(f"{what} not found") from None

@@ -1,0 +1,359 @@
+"""The web console over HTTP (httpx on its ASGI app) against the three services running for
+real (in-process, SQLite): every page shows what the services hold, curves follow the rewards
+(late ones at their tick), the inspector decodes with the given messages, a running trial's
+events stream its new ticks, downloads carry the version's bytes, a service that is down is
+shown as down while the others' pages work, unknown things are 404 pages, and the access token
+guards another interface than the loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from services.console.app import build_app
+from services.console.decode import DecoderError, Decoders
+from services.console.service import ConfigurationError, ConsoleSettings
+from services.console.sources import Sources, SourceSettings
+from services.console.views import Console
+from services.demo.api import spec_pb2
+from services.model_registry.client.api import ModelRegistryClient
+from shared.api import common_pb2, datalog_pb2, directory_pb2
+from tests.helpers.datastore import datalog_inputs, send_acknowledged, trial_params
+from tests.helpers.running import (
+    RunningDatastore,
+    RunningDirectory,
+    RunningRegistry,
+    make_datastore_factory,
+    make_directory_factory,
+    make_registry_factory,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+DEMO_MESSAGES = ["class1=cogment_aux_demo.Observation,cogment_aux_demo.Action"]
+
+
+@dataclass
+class Suite:
+    directory: RunningDirectory
+    registry: RunningRegistry
+    datastore: RunningDatastore
+
+    def endpoint(self, service: RunningDatastore | RunningRegistry) -> str:
+        return f"grpc://127.0.0.1:{service.service.port}"
+
+
+@pytest.fixture
+async def suite(tmp_path: Path) -> AsyncIterator[Suite]:
+    async with (
+        make_directory_factory(f"sqlite+aiosqlite:///{tmp_path / 'directory.db'}")() as directory,
+        make_registry_factory(
+            "--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
+            "--archive_dir", str(tmp_path / "blobs"),
+        )() as registry,
+        make_datastore_factory(f"sqlite+aiosqlite:///{tmp_path / 'datastore.db'}")() as datastore,
+    ):  # fmt: skip
+        yield Suite(directory, registry, datastore)
+
+
+def console_app(
+    suite: Suite, *, decoders: Decoders | None = None, auth_token: str = "", discover: bool = False
+):  # type: ignore[no-untyped-def]
+    sources = Sources(
+        SourceSettings(
+            f"grpc://{suite.directory.address}",
+            "" if discover else suite.endpoint(suite.registry),
+            "" if discover else suite.endpoint(suite.datastore),
+            "",
+            None,
+        )
+    )
+    return build_app(Console(sources, decoders or Decoders()), auth_token), sources
+
+
+@pytest.fixture
+async def http(suite: Suite) -> AsyncIterator[httpx.AsyncClient]:
+    app, sources = console_app(suite, decoders=Decoders.load(["services.demo.api.spec_pb2"], DEMO_MESSAGES))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as client:
+        yield client
+    await sources.close()
+
+
+def observation(tick: int) -> bytes:
+    return spec_pb2.Observation(values=[tick / 10, -1.0]).SerializeToString()
+
+
+def sample(
+    tick: int, state: int = common_pb2.RUNNING, rewards: dict[str, float] | None = None
+) -> datalog_pb2.DatalogSample:
+    """A tick of the three actors of tests.helpers.datastore (alice and bob of class1, carol of
+    class2): class1's observations and actions are the demo's messages."""
+    message = datalog_pb2.DatalogSample(
+        info=datalog_pb2.SampleInfo(tick_id=tick, timestamp=1000 + tick, state=state)
+    )
+    message.observations.observations.append(observation(tick))
+    message.observations.actors_map.extend([0, 0, 0])
+    message.actions.extend(
+        common_pb2.Action(content=spec_pb2.Action(move=spec_pb2.RIGHT).SerializeToString()) for _ in range(3)
+    )
+    for receiver, value in (rewards or {}).items():
+        message.rewards.append(
+            common_pb2.Reward(
+                receiver_name=receiver, tick_id=tick,
+                sources=[common_pb2.RewardSource(sender_name="env", value=value, confidence=1)],
+            )
+        )  # fmt: skip
+    return message
+
+
+async def record(
+    suite: Suite, trial_id: str, samples: list[datalog_pb2.DatalogSample], **properties: str
+) -> None:
+    call = suite.datastore.datalog.RunTrialDatalog(
+        metadata=(("trial-id", trial_id), ("user-id", "researcher"))
+    )
+    await send_acknowledged(call, datalog_inputs(trial_params(**properties), samples))
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+
+
+def ended_trial(ticks: int) -> list[datalog_pb2.DatalogSample]:
+    return [
+        sample(
+            tick, common_pb2.ENDED if tick == ticks - 1 else common_pb2.RUNNING, {"alice": 1.0, "carol": -0.5}
+        )
+        for tick in range(ticks)
+    ]
+
+
+def text_of(html: str, element_id: str) -> str:
+    match = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', html)
+    assert match, f"no element {element_id}"
+    return match[1].strip()
+
+
+async def test_overview_trials_and_a_trial_page(suite: Suite, http: httpx.AsyncClient) -> None:
+    await record(suite, "first", ended_trial(5), run="a")
+    late = ended_trial(4)
+    # A late reward for tick 1, stored after tick 2: it counts at tick 1.
+    source = common_pb2.RewardSource(sender_name="env", value=10, confidence=1)
+    late.insert(
+        3,
+        datalog_pb2.DatalogSample(
+            info=datalog_pb2.SampleInfo(tick_id=1, timestamp=2000, state=common_pb2.RUNNING),
+            rewards=[common_pb2.Reward(receiver_name="bob", tick_id=1, sources=[source])],
+        ),
+    )
+    await record(suite, "second", late, run="b")
+    interrupted = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "third"), ("user-id", "u")))
+    await send_acknowledged(interrupted, datalog_inputs(trial_params(), [sample(0)]))
+    await interrupted.done_writing()
+    assert await interrupted.read() is grpc.aio.EOF
+
+    overview = (await http.get("/")).text
+    assert overview.count('class="up"') == 3
+    assert "3</span> trials" in overview and "2 ended" in overview and "1 interrupted" in overview
+
+    page = await http.get("/trials")
+    assert page.status_code == 200
+    order = re.findall(r'<tr data-trial="([^"]+)"', page.text)
+    assert order == ["third", "second", "first"]  # newest first
+    assert re.search(r'data-trial="third">.*?class="state interrupted"', page.text, re.S)
+    first_row = page.text.split('data-trial="first"')[1].split("</tr>")[0]
+    assert "class1: 5" in first_row and "class2: -2.5" in first_row  # alice's 5 ticks; carol's
+    filtered = await http.get("/trials", params={"state": "interrupted"})
+    assert re.findall(r'<tr data-trial="([^"]+)"', filtered.text) == ["third"]
+    by_property = await http.get("/trials", params={"properties": "run=b"})
+    assert re.findall(r'<tr data-trial="([^"]+)"', by_property.text) == ["second"]
+    assert (await http.get("/trials", params={"state": "sleeping"})).status_code == 400
+
+    detail = await http.get("/trials/second")
+    assert detail.status_code == 200
+    curves = json.loads(re.search(r'id="curves-data">(.*?)</script>', detail.text, re.S)[1])  # type: ignore[index]
+    by_actor = {curve["actor"]: curve for curve in curves}
+    assert by_actor["bob"]["ticks"] == [0, 1, 2, 3]  # one point per tick
+    assert by_actor["bob"]["reward_max"] == [0, 10, 0, 0]  # the late reward, at tick 1
+    assert by_actor["alice"]["returns"] == [1, 2, 3, 4]
+    assert "class1 14" in detail.text  # alice's 4 and bob's 10
+
+    tick = (await http.get("/api/trials/first/ticks/2")).json()
+    assert tick["tick"] == 2
+    alice = tick["actors"][0]
+    assert alice["actor"] == "alice" and alice["reward"] == 1.0
+    assert alice["observation"]["decoded"] == "values: 0.2 values: -1.0"
+    assert alice["action"]["decoded"] == "move: RIGHT"
+    carol = tick["actors"][2]  # class2: no messages given, size and hex
+    assert carol["observation"]["decoded"] == "" and carol["observation"]["size"] == len(observation(2))
+    assert carol["observation"]["preview"] == observation(2).hex(" ")
+    assert (await http.get("/api/trials/first/ticks/99")).status_code == 404
+
+    compare = await http.get("/compare", params=[("trial", "first"), ("trial", "second")])
+    series = json.loads(re.search(r'id="compare-data">(.*?)</script>', compare.text, re.S)[1])  # type: ignore[index]
+    assert {one["name"] for one in series} >= {"first / alice", "second / bob"}
+
+
+async def test_unknown_things_are_404_pages_and_nothing_answers_with_a_traceback(
+    suite: Suite, http: httpx.AsyncClient
+) -> None:
+    for path in ("/trials/nope", "/models/nope", "/api/trials/nope/ticks/0", "/models/nope/versions/1/data"):
+        response = await http.get(path)
+        assert response.status_code == 404, path
+        assert "Traceback" not in response.text
+    assert (await http.get("/trials", params={"before": "x"})).status_code == 400
+
+
+async def test_models_versions_and_downloads(suite: Suite, http: httpx.AsyncClient) -> None:
+    data = secrets.token_bytes(300_000)
+    async with ModelRegistryClient(suite.endpoint(suite.registry)) as registry:
+        await registry.create_model("policy", {"algorithm": "dqn"})
+        await registry.publish_version("policy", data, user_data={"step": "100"})
+        await registry.publish_version("policy", b"small", archived=False)
+    models = await http.get("/models")
+    assert 'data-model="policy"' in models.text and "algorithm=dqn" in models.text
+    page = (await http.get("/models/policy")).text
+    assert re.findall(r'data-version="(\d+)"', page) == ["2", "1"]
+    assert hashlib.sha256(data).hexdigest() in page and "transient" in page and "step=100" in page
+    download = await http.get("/models/policy/versions/1/data")
+    assert download.status_code == 200
+    assert hashlib.sha256(download.content).hexdigest() == hashlib.sha256(data).hexdigest()
+    assert "policy-v1.bin" in download.headers["content-disposition"]
+
+
+async def test_new_versions_and_a_running_trials_ticks_stream(suite: Suite, http: httpx.AsyncClient) -> None:
+    call = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
+    await send_acknowledged(call, datalog_inputs(trial_params(), [sample(0, rewards={"alice": 1})]))
+    page = await http.get("/trials/live")
+    assert 'data-running="true"' in page.text
+
+    async def events() -> list[dict[str, object]]:
+        batches: list[dict[str, object]] = []
+        async with http.stream("GET", "/api/trials/live/events", params={"from": "1"}) as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("data: ") and line != "data: {}":
+                    batches.append(json.loads(line.removeprefix("data: ")))
+        return batches
+
+    reading = asyncio.create_task(events())
+    for tick in (1, 2):
+        await send_acknowledged(
+            call, [datalog_pb2.RunTrialDatalogInput(sample=sample(tick, rewards={"alice": tick}))]
+        )
+    await send_acknowledged(call, [datalog_pb2.RunTrialDatalogInput(sample=sample(3, common_pb2.ENDED))])
+    await call.done_writing()
+    batches = await asyncio.wait_for(reading, 30)
+    ticks = [tick for batch in batches for tick in batch["ticks"]]  # type: ignore[attr-defined]
+    assert ticks == [1, 2, 3]
+    alice = [reward for batch in batches for reward in batch["rewards"]["alice"]]  # type: ignore[index]
+    assert alice == [1.0, 2.0, 0.0]
+    assert batches[-1]["state"] == "ended"
+
+
+async def test_a_service_down_shows_as_down_and_the_others_work(tmp_path: Path) -> None:
+    async with AsyncExitStack() as stack:
+        directory = await stack.enter_async_context(
+            make_directory_factory(f"sqlite+aiosqlite:///{tmp_path / 'directory.db'}")()
+        )
+        registry = await stack.enter_async_context(
+            make_registry_factory(
+                "--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
+                "--archive_dir", str(tmp_path / "b"),
+            )()
+        )  # fmt: skip
+        closed = f"grpc://127.0.0.1:{_closed_port()}"
+        sources = Sources(
+            SourceSettings(
+                f"grpc://{directory.address}", f"grpc://127.0.0.1:{registry.service.port}", closed, "", None
+            )
+        )
+        app = build_app(Console(sources, Decoders()), "")
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://console"
+        ) as http:
+            overview = await http.get("/")
+            assert overview.status_code == 200
+            assert 'data-service="trial_datastore"' in overview.text
+            assert (
+                overview.text.count('class="up"') == 2 and "cannot reach the trial datastore" in overview.text
+            )
+            trials = await http.get("/trials")
+            assert trials.status_code == 503 and "trial datastore is unavailable" in trials.text.lower()
+            assert (await http.get("/models")).status_code == 200
+            assert (await http.get("/directory")).status_code == 200
+        await sources.close()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_endpoints_not_given_are_discovered_through_the_directory(suite: Suite) -> None:
+    for service_type, running in (
+        (directory_pb2.DATASTORE_SERVICE, suite.datastore),
+        (directory_pb2.MODEL_REGISTRY_SERVICE, suite.registry),
+    ):
+        request = directory_pb2.RegisterRequest(
+            endpoint=directory_pb2.ServiceEndpoint(
+                protocol=directory_pb2.ServiceEndpoint.GRPC, host="127.0.0.1", port=running.service.port
+            ),
+            details=directory_pb2.ServiceDetails(type=service_type),
+            permanent=True,
+        )
+        [reply] = [reply async for reply in suite.directory.stub.Register(iter([request]))]
+        assert reply.status == directory_pb2.RegisterReply.OK
+    app, sources = console_app(suite, discover=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:
+        overview = (await http.get("/")).text
+        assert overview.count('class="up"') == 3
+        assert f"grpc://127.0.0.1:{suite.datastore.service.port}" in overview
+        directory = (await http.get("/directory")).text
+        assert directory.count("<tr data-entry=") == 2 and "secret" not in directory.lower()
+    await sources.close()
+
+
+async def test_the_access_token(suite: Suite) -> None:
+    app, sources = console_app(suite, auth_token="s3cret")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:
+        assert (await http.get("/trials", headers={"accept": "application/json"})).status_code == 401
+        redirected = await http.get("/trials", headers={"accept": "text/html"})
+        assert redirected.status_code == 303 and redirected.headers["location"].startswith("/login")
+        assert (await http.get("/static/console.css")).status_code == 200
+        assert (await http.get("/trials", headers={"authorization": "Bearer s3cret"})).status_code == 200
+        wrong = await http.post("/login", data={"token": "nope"})
+        assert wrong.status_code == 401
+        login = await http.post("/login?next=/models", data={"token": "s3cret"})
+        assert login.status_code == 303 and login.headers["location"] == "/models"
+        assert (await http.get("/models")).status_code == 200  # the cookie
+    await sources.close()
+
+
+def test_another_interface_needs_a_token_or_an_explicit_opt_out() -> None:
+    with pytest.raises(ConfigurationError, match="--auth_token"):
+        ConsoleSettings(host="0.0.0.0").check()
+    ConsoleSettings(host="0.0.0.0", auth_token="t").check()
+    ConsoleSettings(host="0.0.0.0", allow_anyone_on_the_network=True).check()
+    ConsoleSettings(host="127.0.0.1").check()
+    ConsoleSettings(host="localhost").check()
+
+
+def test_bad_decoder_settings_say_what_to_fix() -> None:
+    with pytest.raises(DecoderError, match="cannot import --proto_module"):
+        Decoders.load(["no.such.module"], [])
+    with pytest.raises(DecoderError, match="expected CLASS=OBSERVATION_MESSAGE,ACTION_MESSAGE"):
+        Decoders.load([], ["player"])
+    with pytest.raises(DecoderError, match="no message"):
+        Decoders.load([], ["player=no.Such,"])
