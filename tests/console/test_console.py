@@ -26,9 +26,9 @@ from services.console.decode import DecoderError, Decoders
 from services.console.service import ConfigurationError, ConsoleSettings
 from services.console.sources import Sources, SourceSettings
 from services.console.views import Console
-from services.demo.api import spec_pb2
 from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, datalog_pb2, directory_pb2
+from tests.helpers.console_trials import observation, sample
 from tests.helpers.datastore import datalog_inputs, send_acknowledged, trial_params
 from tests.helpers.running import (
     RunningDatastore,
@@ -88,33 +88,6 @@ async def http(suite: Suite) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as client:
         yield client
     await sources.close()
-
-
-def observation(tick: int) -> bytes:
-    return spec_pb2.Observation(values=[tick / 10, -1.0]).SerializeToString()
-
-
-def sample(
-    tick: int, state: int = common_pb2.RUNNING, rewards: dict[str, float] | None = None
-) -> datalog_pb2.DatalogSample:
-    """A tick of the three actors of tests.helpers.datastore (alice and bob of class1, carol of
-    class2): class1's observations and actions are the demo's messages."""
-    message = datalog_pb2.DatalogSample(
-        info=datalog_pb2.SampleInfo(tick_id=tick, timestamp=1000 + tick, state=state)
-    )
-    message.observations.observations.append(observation(tick))
-    message.observations.actors_map.extend([0, 0, 0])
-    message.actions.extend(
-        common_pb2.Action(content=spec_pb2.Action(move=spec_pb2.RIGHT).SerializeToString()) for _ in range(3)
-    )
-    for receiver, value in (rewards or {}).items():
-        message.rewards.append(
-            common_pb2.Reward(
-                receiver_name=receiver, tick_id=tick,
-                sources=[common_pb2.RewardSource(sender_name="env", value=value, confidence=1)],
-            )
-        )  # fmt: skip
-    return message
 
 
 async def record(

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from services.console.service import OPTIONS as CONSOLE_OPTIONS
 from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.model_registry.service import OPTIONS as MODEL_REGISTRY_OPTIONS
@@ -25,12 +26,12 @@ DIRECTORY_ENV = {option.flag: option.env for option in DIRECTORY_OPTIONS}
 
 @pytest.mark.parametrize(
     "option",
-    [*DIRECTORY_OPTIONS, *MODEL_REGISTRY_OPTIONS, *DATASTORE_OPTIONS],
+    [*DIRECTORY_OPTIONS, *MODEL_REGISTRY_OPTIONS, *DATASTORE_OPTIONS, *CONSOLE_OPTIONS],
     ids=lambda option: option.env or option.flag,
 )
 def test_every_flag_is_documented(option: Option) -> None:
     assert f"`--{option.flag}`" in README
-    listed_once = option.flag in COMMON_FLAGS and option.env != DIRECTORY_ENV[option.flag]
+    listed_once = option.flag in COMMON_FLAGS and option.env != DIRECTORY_ENV.get(option.flag)
     if option.env and not listed_once:
         assert f"`{option.env}`" in README
 

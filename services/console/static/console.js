@@ -87,12 +87,16 @@ function payloadHtml(payload) {
   return `<span class="payload">${payload.size} bytes <small><code>${escapeHtml(payload.preview)}</code></small></span>`;
 }
 
+function number(value) {
+  return Number(value.toPrecision(6));  // rewards are float32: 0.51, not 0.5099999904632568
+}
+
 function tickHtml(view) {
   const rows = view.actors.map((actor) => {
-    const rewards = actor.rewards.map((r) => `${r.value} from ${escapeHtml(r.sender)} (confidence ${r.confidence})`).join("<br>") || "—";
+    const rewards = actor.rewards.map((r) => `${number(r.value)} from ${escapeHtml(r.sender)} (confidence ${number(r.confidence)})`).join("<br>") || "—";
     const messages = actor.messages.map((m) => `${escapeHtml(m.sender)}: ${payloadHtml(m.payload)}`).join("<br>") || "—";
     return `<tr data-actor="${escapeHtml(actor.actor)}"><td>${escapeHtml(actor.actor)}</td><td>${payloadHtml(actor.observation)}</td>` +
-      `<td>${payloadHtml(actor.action)}</td><td>${actor.reward === null ? "—" : actor.reward}</td><td>${rewards}</td><td>${messages}</td></tr>`;
+      `<td>${payloadHtml(actor.action)}</td><td>${actor.reward === null ? "—" : number(actor.reward)}</td><td>${rewards}</td><td>${messages}</td></tr>`;
   }).join("");
   return `<p>Tick <strong id="shown-tick">${view.tick}</strong>, state ${escapeHtml(view.state)}, timestamp ${view.timestamp}</p>` +
     `<table><thead><tr><th>actor</th><th>observation</th><th>action</th><th>reward</th><th>rewards received</th><th>messages received</th></tr></thead><tbody>${rows}</tbody></table>`;
