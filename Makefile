@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run test check-generated lint typecheck pytest generate bench bench-registry bench-datastore
+.PHONY: install run test check-generated lint typecheck pytest generate bench bench-registry bench-datastore bench-console
 
 # Running the services needs the runtime dependencies only; the tests and checks add the dev ones.
 $(BIN)/.runtime: pyproject.toml
@@ -50,3 +50,6 @@ bench-registry: install
 
 bench-datastore: install
 	$(BIN)/python bench/datastore.py
+
+bench-console: install
+	$(BIN)/python bench/console.py

@@ -21,6 +21,7 @@ SERVICES = {
     "directory": "COGMENT_DIRECTORY",
     "model_registry": "COGMENT_MODEL_REGISTRY",
     "datastore": "COGMENT_TRIAL_DATASTORE",
+    "console": "COGMENT_CONSOLE",
 }
 POLL_INTERVAL_S = 0.2
 # What a service stopped by the supervisor (or by the terminal's Ctrl-C, which reaches every
@@ -30,7 +31,7 @@ STOPPED_CLEANLY = {0, -signal.SIGTERM, -signal.SIGINT}
 DESCRIPTION = """\
 Run the Directory, the Model Registry and the Trial Datastore, each in its own process on its
 default port (9005, 9002, 9003), on the embedded default: SQLite and local files under
-./.cogment-aux/."""
+./.cogment-aux/, and the web console beside them (http://127.0.0.1:9010/)."""
 _PREFIXES = ", ".join(f"{prefix}_*" for prefix in SERVICES.values())
 EPILOG = f"""\
 Each service also reads its own environment variables

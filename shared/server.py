@@ -373,7 +373,7 @@ def run_service_main(
     )
     settings = service_class.settings_type.from_values(values)
     configure_logging(settings.log_level, settings.log_format, settings.log_file, service=service_class.name)
-    on_serving = _supervisor_notifier()
+    on_serving = supervisor_notifier()
     try:
         service = service_class(settings)
     except StartupError as error:
@@ -383,7 +383,7 @@ def run_service_main(
     return 0
 
 
-def _supervisor_notifier() -> Callable[[], None] | None:
+def supervisor_notifier() -> Callable[[], None] | None:
     """What tells the supervisor that started this process (`python -m services`) that it serves:
     a line written to the file descriptor `SERVING_FD_ENV` names, if any. The variable is removed,
     so that nothing this process starts inherits it."""

@@ -138,9 +138,7 @@ async def trials(request: Request, console: Console) -> Response:
 
 
 async def trial(request: Request, console: Console) -> Response:
-    detail = await console.trial(request.path_params["trial_id"])
-    curves = [asdict(curve) for curve in detail.curves]
-    return _page(request, "trial.html", trial=detail, curves=curves)
+    return _page(request, "trial.html", trial=await console.trial(request.path_params["trial_id"]))
 
 
 async def tick(request: Request, console: Console) -> Response:
@@ -148,15 +146,15 @@ async def tick(request: Request, console: Console) -> Response:
     return JSONResponse(asdict(view))
 
 
-async def trial_events(request: Request, console: Console) -> Response:
+async def trial_curves(request: Request, console: Console) -> Response:
+    """Server-sent snapshots of the trial's curves while its samples are read, then while it runs."""
     trial_id = request.path_params["trial_id"]
-    from_tick = _int(request, "from", 0) or 0
     await console.trial_info(trial_id)  # a 404 before the stream starts
 
     async def events() -> AsyncIterator[str]:
         try:
-            async for batch in console.follow_rewards(trial_id, from_tick):
-                yield f"data: {json.dumps(batch)}\n\n"
+            async for snapshot in console.curve_snapshots(trial_id):
+                yield f"data: {json.dumps(snapshot)}\n\n"
         except Unavailable as error:
             yield f"event: failure\ndata: {json.dumps(str(error))}\n\n"
         yield "event: end\ndata: {}\n\n"
@@ -168,12 +166,13 @@ async def compare(request: Request, console: Console) -> Response:
     trial_ids = [trial_id for trial_id in request.query_params.getlist("trial") if trial_id]
     if len(trial_ids) > COMPARE_MAX:
         raise BadRequest(f"at most {COMPARE_MAX} trials on one chart")
-    details = [await console.trial(trial_id) for trial_id in trial_ids]
-    series = [
-        {"name": f"{detail.row.trial_id} / {curve.actor}", "ticks": curve.ticks, "returns": curve.returns}
-        for detail in details
-        for curve in detail.curves
-    ]
+    series = []
+    for trial_id in trial_ids:
+        curves = await console.stored_curves(trial_id)
+        series += [
+            {"name": f"{trial_id} / {curve['actor']}", "ticks": curve["ticks"], "returns": curve["returns"]}
+            for curve in curves
+        ]
     return _page(request, "compare.html", trial_ids=trial_ids, series=series)
 
 
@@ -304,7 +303,7 @@ def build_app(console: Console, auth_token: str) -> Starlette:
         Route("/trials", _handled(trials)),
         Route("/trials/{trial_id}", _handled(trial)),
         Route("/api/trials/{trial_id}/ticks/{tick:int}", _handled(tick)),
-        Route("/api/trials/{trial_id}/events", _handled(trial_events)),
+        Route("/api/trials/{trial_id}/curves", _handled(trial_curves)),
         Route("/compare", _handled(compare)),
         Route("/models", _handled(models)),
         Route("/models/{model_id}", _handled(model)),

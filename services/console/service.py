@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import signal
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from shared.channel import ClientTls
 from shared.cli import TLS_OPTIONS, tls_of
 from shared.config import Option, parse_bool, parse_options, port_number
 from shared.logging import configure_logging, get_logger, logging_options
+from shared.server import supervisor_notifier
 
 DEFAULT_PORT = 9010
 ENV_PREFIX = "COGMENT_CONSOLE"
@@ -158,22 +161,41 @@ async def serve(settings: ConsoleSettings) -> None:
         )
     )
     app = build_app(Console(sources, decoders), settings.auth_token)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="off"
-    )
+    # The socket is bound here, so that a port taken is one clear line (uvicorn would exit).
+    try:
+        sock = socket.create_server((settings.host, settings.port), reuse_port=False)
+    except OSError as error:
+        await sources.close()
+        where = f"{settings.host}:{settings.port}"
+        raise ConfigurationError(f"cannot serve on {where}: {error.strerror}") from None
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
     server = uvicorn.Server(config)  # it stops gracefully on SIGINT and SIGTERM
-    serving = asyncio.create_task(server.serve())
+    # ...and raises them again once stopped, to whatever handled them before: nothing, so that
+    # the console ends as the services do (its clients closed, `stopped` logged, status 0).
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, lambda _signum, _frame: None)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         # uvicorn says it listens only through this flag (no event to wait on).
         while not server.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         if server.started:
-            port = next(sock.getsockname()[1] for one in server.servers for sock in one.sockets)
-            url = f"http://{settings.host}:{port}/"
-            log.info("serving console", url=url, port=port, token_required=bool(settings.auth_token))
+            port = sock.getsockname()[1]
+            log.info(
+                "serving",
+                url=f"http://{settings.host}:{port}/",
+                port=port,
+                address=settings.host,
+                token_required=bool(settings.auth_token),
+            )
+            notify = supervisor_notifier()
+            if notify is not None:
+                notify()
         await serving
     finally:
+        sock.close()
         await sources.close()
+        log.info("stopped")
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

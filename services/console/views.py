@@ -11,7 +11,7 @@ import datetime
 import functools
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -21,7 +21,6 @@ from services.console.decode import Decoders
 from services.console.model import (
     ActorInfo,
     ActorTick,
-    Curve,
     EntryRow,
     MessageView,
     RewardView,
@@ -42,13 +41,18 @@ PAGE_SIZE = 50
 COUNT_PAGE = 1000
 # The trials list computes returns from at most this many samples per page; longer trials show
 # theirs on their own page.
-RETURNS_SAMPLE_BUDGET = 200_000
+RETURNS_SAMPLE_BUDGET = 20_000
 # Returns of ended trials are kept (they do not change): this many trials at most.
 RETURNS_CACHE_TRIALS = 10_000
 REWARD_FIELDS = [trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_REWARD]
 INTERRUPTED = "interrupted"
-# Samples a live curve's reader holds at most before the page reads them.
+# Samples a curve's reader holds at most before they are added up.
 FOLLOW_QUEUE = 10_000
+# Seconds between two snapshots of a trial's curves while its samples are read.
+SNAPSHOT_INTERVAL_S = 0.5
+# The trials list adds up the rewards of trials of at most this many samples (longer ones show
+# their returns once their page was opened), and of this many samples per page in all.
+RETURNS_TRIAL_SAMPLES = 5_000
 ENVIRONMENT = "environment"
 SERVICES = ("directory", "model_registry", "trial_datastore")
 T = TypeVar("T")
@@ -85,8 +89,6 @@ class TrialsPage:
 class TrialDetail:
     row: TrialRow
     params: dict[str, object]
-    curves: list[Curve]
-    ticks: int
     running: bool
 
 
@@ -258,7 +260,7 @@ class Console:
         result = []
         for row in rows:
             returns = self._returns.get(row.trial_id)
-            if returns is None and row.samples <= budget:
+            if returns is None and row.samples <= min(budget, RETURNS_TRIAL_SAMPLES):
                 budget -= row.samples
                 totals = await self._reward_totals(row.trial_id, len(row.actors), row.samples)
                 returns = returns_by_class(row.actors, totals.returns())
@@ -286,13 +288,12 @@ class Console:
         info: trial_datastore_pb2.StoredTrialInfo = infos[trial_id]
         return info
 
-    async def trial(self, trial_id: str, max_points: int = MAX_POINTS) -> TrialDetail:
+    async def trial(self, trial_id: str) -> TrialDetail:
+        """A trial's page at once: its curves come by `curve_snapshots` (a long trial takes a
+        while to read)."""
         info = await self.trial_info(trial_id)
         state = (await self._states([info]))[trial_id]
         actors = actors_of(info)
-        totals = await self._reward_totals(trial_id, len(actors), info.samples_count)
-        ticks = totals.ticks
-        curves = totals.curves([actor.name for actor in actors], ticks, max_points)
         row = TrialRow(
             trial_id,
             state,
@@ -300,9 +301,84 @@ class Console:
             info.samples_count,
             actors,
             dict(info.params.properties),
-            returns=returns_by_class(actors, totals.returns()),
+            returns=self._returns.get(trial_id) or {},
         )
-        return TrialDetail(row, params_view(info.params), curves, ticks, state == "running")
+        return TrialDetail(row, params_view(info.params), state == "running")
+
+    async def stored_curves(self, trial_id: str, max_points: int = MAX_POINTS) -> list[dict[str, object]]:
+        """The curves of the samples the trial has now (a running trial is cut there)."""
+        info = await self.trial_info(trial_id)
+        actors = actors_of(info)
+        totals = await self._reward_totals(trial_id, len(actors), info.samples_count)
+        return [asdict(curve) for curve in totals.curves([a.name for a in actors], totals.ticks, max_points)]
+
+    async def curve_snapshots(
+        self, trial_id: str, max_points: int = MAX_POINTS
+    ) -> AsyncIterator[dict[str, object]]:
+        """The trial's reward curves as its samples are read (stored ones, then those a running
+        trial adds): a snapshot of every actor's downsampled curve each SNAPSHOT_INTERVAL_S while
+        samples come, and a last one when the trial's stream ends ({"ticks", "curves",
+        "returns" by actor class, "state", "done"})."""
+        info = await self.trial_info(trial_id)
+        actors = actors_of(info)
+        names = [actor.name for actor in actors]
+        totals = RewardTotals(len(actors))
+        client = await self.sources.client("trial_datastore")
+        assert isinstance(client, DatastoreClient)
+        call = client.stub.RetrieveSamples(
+            trial_datastore_pb2.RetrieveSamplesRequest(
+                trial_ids=[trial_id], selected_sample_fields=REWARD_FIELDS
+            )
+        )
+        arrived: asyncio.Queue[trial_datastore_pb2.StoredTrialSample | None] = asyncio.Queue(FOLLOW_QUEUE)
+
+        async def pump() -> None:
+            try:
+                async for reply in call:
+                    await arrived.put(reply.trial_sample)
+            finally:
+                await arrived.put(None)
+
+        def snapshot(state: str, done: bool) -> dict[str, object]:
+            returns = returns_by_class(actors, totals.returns())
+            if done and state == "ended":
+                self._returns.put(trial_id, returns)
+            return {
+                "ticks": totals.ticks,
+                "curves": [asdict(curve) for curve in totals.curves(names, totals.ticks, max_points)],
+                "returns": returns,
+                "state": state,
+                "done": done,
+            }
+
+        pumping = asyncio.create_task(pump())
+        state = state_name(info.last_state).lower()
+        try:
+            changed, done = True, False
+            while not done:
+                deadline = asyncio.get_running_loop().time() + SNAPSHOT_INTERVAL_S
+                while not done:
+                    left = deadline - asyncio.get_running_loop().time()
+                    if left <= 0:
+                        break
+                    try:
+                        sample = await asyncio.wait_for(arrived.get(), left)
+                    except asyncio.TimeoutError:
+                        break
+                    if sample is None:
+                        done = True
+                        break
+                    totals.add(sample)
+                    state = state_name(sample.state).lower()
+                    changed = True
+                if changed or done:
+                    yield snapshot(state, done)
+                    changed = False
+        finally:
+            call.cancel()
+            pumping.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await pumping
 
     async def tick(self, trial_id: str, tick: int) -> TickView:
         """The trial's sample of `tick` (its first: late rewards of that tick come in later
@@ -356,61 +432,6 @@ class Console:
                 )
             )
         return TickView(sample.tick_id, sample.timestamp, state_name(sample.state).lower(), views)
-
-    async def follow_rewards(self, trial_id: str, from_tick: int) -> AsyncIterator[dict[str, object]]:
-        """The rewards of the ticks at and after `from_tick` as they are stored, in batches of
-        what arrived together ({"ticks": [...], "rewards": {actor: [...]}, "state": ...}); ends
-        with the trial's stream."""
-        info = await self.trial_info(trial_id)
-        actors = actors_of(info)
-        client = await self.sources.client("trial_datastore")
-        assert isinstance(client, DatastoreClient)
-        call = client.stub.RetrieveSamples(
-            trial_datastore_pb2.RetrieveSamplesRequest(
-                trial_ids=[trial_id], selected_sample_fields=REWARD_FIELDS
-            )
-        )
-        arrived: asyncio.Queue[trial_datastore_pb2.StoredTrialSample | None] = asyncio.Queue(FOLLOW_QUEUE)
-
-        async def pump() -> None:
-            try:
-                async for reply in call:
-                    await arrived.put(reply.trial_sample)
-            finally:
-                await arrived.put(None)
-
-        pumping = asyncio.create_task(pump())
-        try:
-            ended = False
-            while not ended:
-                items = [await arrived.get()]
-                while not arrived.empty():
-                    items.append(arrived.get_nowait())
-                batch: dict[int, list[float]] = {}
-                state = ""
-                for sample in items:
-                    if sample is None:
-                        ended = True
-                        continue
-                    state = state_name(sample.state).lower()
-                    if sample.tick_id < from_tick:
-                        continue
-                    rewards = batch.setdefault(sample.tick_id, [0.0] * len(actors))
-                    for actor_sample in sample.actor_samples:
-                        if actor_sample.HasField("reward") and actor_sample.actor < len(actors):
-                            rewards[actor_sample.actor] += actor_sample.reward
-                if batch or state:
-                    ticks = sorted(batch)
-                    yield {
-                        "ticks": ticks,
-                        "rewards": {a.name: [batch[t][i] for t in ticks] for i, a in enumerate(actors)},
-                        "state": state,
-                    }
-        finally:
-            call.cancel()
-            pumping.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await pumping
 
     # ---- models ----
 

@@ -61,7 +61,7 @@ def console_process(log_dir: Path, *flags: str) -> Iterator[str]:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
-            serving = [line for line in lines if line.get("event") == "serving console"]
+            serving = [line for line in lines if line.get("event") == "serving"]
             if serving:
                 yield str(serving[0]["url"]).rstrip("/")
                 break
@@ -163,11 +163,12 @@ async def test_the_console_in_a_browser(browser: Browser, tmp_path: Path) -> Non
             await shot(page, tmp_path, "trials")
 
             await page.click("a[href='/trials/trial-1']")
-            chart = page.locator("#reward-chart")
-            await chart.locator(".main-svg").first.wait_for()
-            assert await chart.get_attribute("data-points") == str(ticks)
+            await page.wait_for_function(
+                f"document.getElementById('reward-chart').dataset.points === '{ticks}'"
+            )
             points = await page.evaluate("document.getElementById('reward-chart').data[0].x.length")
             assert points == ticks
+            assert "ticks." in await page.locator("#curve-status").inner_text()
             await page.locator("#shown-tick").wait_for()
             assert await page.locator("#shown-tick").inner_text() == "0"
             await page.click("#tick-next")
@@ -179,9 +180,7 @@ async def test_the_console_in_a_browser(browser: Browser, tmp_path: Path) -> Non
             await shot(page, tmp_path, "trial")
 
             await page.goto(origin + "/trials/live")
-            await page.locator("#reward-chart .main-svg").first.wait_for()
-            before = await page.evaluate("document.getElementById('reward-chart').data[0].x.length")
-            assert before == 10
+            await page.wait_for_function("document.getElementById('reward-chart').dataset.points === '10'")
             await send_acknowledged(live, trial_inputs(running[10:20], with_params=False))
             sent = time.monotonic()
             await page.wait_for_function(

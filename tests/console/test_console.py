@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -152,13 +153,15 @@ async def test_overview_trials_and_a_trial_page(suite: Suite, http: httpx.AsyncC
     assert (await http.get("/trials", params={"state": "sleeping"})).status_code == 400
 
     detail = await http.get("/trials/second")
-    assert detail.status_code == 200
-    curves = json.loads(re.search(r'id="curves-data">(.*?)</script>', detail.text, re.S)[1])  # type: ignore[index]
-    by_actor = {curve["actor"]: curve for curve in curves}
+    assert detail.status_code == 200 and 'data-running="false"' in detail.text
+    snapshots = await curve_snapshots(http, "second")
+    final = snapshots[-1]
+    assert final["done"] and final["ticks"] == 4 and final["state"] == "ended"
+    by_actor = {curve["actor"]: curve for curve in final["curves"]}
     assert by_actor["bob"]["ticks"] == [0, 1, 2, 3]  # one point per tick
     assert by_actor["bob"]["reward_max"] == [0, 10, 0, 0]  # the late reward, at tick 1
     assert by_actor["alice"]["returns"] == [1, 2, 3, 4]
-    assert "class1 14" in detail.text  # alice's 4 and bob's 10
+    assert final["returns"] == {"class1": 14, "class2": -2}  # alice's 4 and bob's 10; carol's
 
     tick = (await http.get("/api/trials/first/ticks/2")).json()
     assert tick["tick"] == 2
@@ -203,33 +206,34 @@ async def test_models_versions_and_downloads(suite: Suite, http: httpx.AsyncClie
     assert "policy-v1.bin" in download.headers["content-disposition"]
 
 
+async def curve_snapshots(http: httpx.AsyncClient, trial_id: str) -> list[dict[str, Any]]:
+    """The snapshots of a trial's curves its page receives, until the stream ends."""
+    snapshots = []
+    async with http.stream("GET", f"/api/trials/{trial_id}/curves") as stream:
+        async for line in stream.aiter_lines():
+            if line.startswith("data: ") and line != "data: {}":
+                snapshots.append(json.loads(line.removeprefix("data: ")))
+    return snapshots
+
+
 async def test_new_versions_and_a_running_trials_ticks_stream(suite: Suite, http: httpx.AsyncClient) -> None:
     call = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
     await send_acknowledged(call, datalog_inputs(trial_params(), [sample(0, rewards={"alice": 1})]))
     page = await http.get("/trials/live")
     assert 'data-running="true"' in page.text
 
-    async def events() -> list[dict[str, object]]:
-        batches: list[dict[str, object]] = []
-        async with http.stream("GET", "/api/trials/live/events", params={"from": "1"}) as stream:
-            async for line in stream.aiter_lines():
-                if line.startswith("data: ") and line != "data: {}":
-                    batches.append(json.loads(line.removeprefix("data: ")))
-        return batches
-
-    reading = asyncio.create_task(events())
+    reading = asyncio.create_task(curve_snapshots(http, "live"))
     for tick in (1, 2):
         await send_acknowledged(
             call, [datalog_pb2.RunTrialDatalogInput(sample=sample(tick, rewards={"alice": tick}))]
         )
     await send_acknowledged(call, [datalog_pb2.RunTrialDatalogInput(sample=sample(3, common_pb2.ENDED))])
     await call.done_writing()
-    batches = await asyncio.wait_for(reading, 30)
-    ticks = [tick for batch in batches for tick in batch["ticks"]]  # type: ignore[attr-defined]
-    assert ticks == [1, 2, 3]
-    alice = [reward for batch in batches for reward in batch["rewards"]["alice"]]  # type: ignore[index]
-    assert alice == [1.0, 2.0, 0.0]
-    assert batches[-1]["state"] == "ended"
+    snapshots = await asyncio.wait_for(reading, 30)
+    assert [snapshot["done"] for snapshot in snapshots][-1] is True
+    assert snapshots[-1]["state"] == "ended" and snapshots[-1]["ticks"] == 4
+    alice = next(curve for curve in snapshots[-1]["curves"] if curve["actor"] == "alice")
+    assert alice["reward_max"] == [1.0, 1.0, 2.0, 0.0]
 
 
 async def test_a_service_down_shows_as_down_and_the_others_work(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from services.__main__ import SERVICES
+from services.console import service as console_service
 from services.datastore import service as datastore_service
 from services.directory import service as directory_service
 from services.model_registry import service as registry_service
@@ -242,4 +243,5 @@ def test_the_environment_prefixes_are_the_services_own() -> None:
         "directory": directory_service.ENV_PREFIX,
         "model_registry": registry_service.ENV_PREFIX,
         "datastore": datastore_service.ENV_PREFIX,
+        "console": console_service.ENV_PREFIX,
     }

@@ -28,55 +28,40 @@ function rewardTraces(curves) {
   return traces;
 }
 
+const REWARD_LAYOUT = {
+  margin: { t: 20, r: 60, b: 40, l: 60 },
+  xaxis: { title: { text: "tick" } },
+  yaxis: { title: { text: "cumulative return" } },
+  yaxis2: { title: { text: "reward per tick (min–max per bucket)" }, overlaying: "y", side: "right" },
+  legend: { orientation: "h" },
+};
+
+function returnsText(returns) {
+  const entries = Object.entries(returns).sort(([a], [b]) => a.localeCompare(b));
+  return entries.map(([actorClass, value]) => `${escapeHtml(actorClass)} ${number(value)}`).join(", ") || "none";
+}
+
+// The curves come as snapshots while the trial's rewards are read (a long trial takes a while),
+// then while it runs: each one replaces the chart's data.
 function drawTrial() {
   const chart = document.getElementById("reward-chart");
   if (!chart) return;
-  const curves = readJson("curves-data");
-  const layout = {
-    margin: { t: 20, r: 60, b: 40, l: 60 },
-    xaxis: { title: { text: "tick" } },
-    yaxis: { title: { text: "cumulative return" } },
-    yaxis2: { title: { text: "reward per tick (min–max per bucket)" }, overlaying: "y", side: "right" },
-    legend: { orientation: "h" },
-  };
-  Plotly.newPlot(chart, rewardTraces(curves), layout, { responsive: true, displaylogo: false });
-  chart.dataset.points = String(curves.length ? curves[0].ticks.length : 0);
-  if (chart.dataset.running === "true") followTrial(chart, curves);
-}
-
-function followTrial(chart, curves) {
-  const trialId = chart.dataset.trial;
-  const totals = curves.map((curve) => curve.total !== undefined ? curve.total : (curve.returns.length ? curve.returns[curve.returns.length - 1] : 0));
-  let next = Number(chart.dataset.ticks);
-  const source = new EventSource(`/api/trials/${encodeURIComponent(trialId)}/events?from=${next}`);
+  const status = document.getElementById("curve-status");
+  Plotly.newPlot(chart, [], REWARD_LAYOUT, { responsive: true, displaylogo: false });
+  const source = new EventSource(`/api/trials/${encodeURIComponent(chart.dataset.trial)}/curves`);
   source.onmessage = (event) => {
-    const batch = JSON.parse(event.data);
-    if (batch.state) document.getElementById("trial-state").textContent = batch.state;
-    if (!batch.ticks.length) return;
-    const xs = [], ys = [], indices = [];
-    curves.forEach((curve, index) => {
-      const rewards = batch.rewards[curve.actor] || batch.ticks.map(() => 0);
-      const returns = rewards.map((reward) => (totals[index] += reward));
-      xs.push(batch.ticks, batch.ticks, batch.ticks);
-      ys.push(returns, rewards, rewards);
-      indices.push(3 * index, 3 * index + 1, 3 * index + 2);
-    });
-    Plotly.extendTraces(chart, { x: xs, y: ys }, indices);
-    next = batch.ticks[batch.ticks.length - 1] + 1;
-    chart.dataset.ticks = String(next);
-    chart.dataset.points = String(Number(chart.dataset.points) + batch.ticks.length);
+    const snapshot = JSON.parse(event.data);
+    Plotly.react(chart, rewardTraces(snapshot.curves), REWARD_LAYOUT);
+    chart.dataset.points = String(snapshot.curves.length ? snapshot.curves[0].ticks.length : 0);
+    chart.dataset.ticks = String(snapshot.ticks);
+    document.getElementById("trial-state").textContent = snapshot.state;
+    document.getElementById("trial-returns").innerHTML = returnsText(snapshot.returns);
+    status.textContent = snapshot.done ? `${snapshot.ticks} ticks.` : `${snapshot.ticks} ticks so far…`;
     const input = document.getElementById("tick-number");
-    if (input) input.max = String(next - 1);
+    if (input && snapshot.ticks > 0) input.max = String(snapshot.ticks - 1);
   };
   source.addEventListener("end", () => source.close());
-  source.addEventListener("failure", (event) => { source.close(); showChartError(chart, JSON.parse(event.data)); });
-}
-
-function showChartError(chart, message) {
-  const note = document.createElement("p");
-  note.className = "error";
-  note.textContent = `Live updates stopped: ${message}`;
-  chart.after(note);
+  source.addEventListener("failure", (event) => { source.close(); status.textContent = `Stopped: ${JSON.parse(event.data)}`; status.className = "error"; });
 }
 
 // ---- the sample inspector ----
