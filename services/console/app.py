@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import grpc
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
@@ -30,7 +31,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from services.console.sources import Unavailable
-from services.console.views import Console, NotFound
+from services.console.views import Console, NotFound, version_row
 from shared.client import ClientError
 from shared.endpoints import parse_properties
 from shared.logging import get_logger
@@ -215,12 +216,10 @@ async def model_events(request: Request, console: Console) -> Response:
     client = await console.sources.client("model_registry")
 
     async def events() -> AsyncIterator[str]:
-        from services.console.views import version_row
-
         try:
             async for info in client.follow_versions(model_id):  # type: ignore[attr-defined]
                 yield f"data: {json.dumps(asdict(version_row(info)))}\n\n"
-        except (ClientError, Exception) as error:  # the registry went away: the page says so
+        except (ClientError, grpc.aio.AioRpcError) as error:  # the registry went away: the page says so
             yield f"event: failure\ndata: {json.dumps(str(error))}\n\n"
 
     return _events(events())
