@@ -7,7 +7,7 @@ names, as the training data does it (docs/training-data.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from services.console.model import Curve
 from shared.api import trial_datastore_pb2
@@ -29,10 +29,6 @@ class RewardTotals:
             if actor_sample.HasField("reward") and actor_sample.actor < len(self._by_tick):
                 rewards = self._by_tick[actor_sample.actor]
                 rewards[sample.tick_id] = rewards.get(sample.tick_id, 0.0) + actor_sample.reward
-
-    def add_all(self, samples: Iterable[trial_datastore_pb2.StoredTrialSample]) -> None:
-        for sample in samples:
-            self.add(sample)
 
     def curves(self, actor_names: Sequence[str], ticks: int, max_points: int = MAX_POINTS) -> list[Curve]:
         """One curve per actor over ticks 0..`ticks`-1 (a tick without a reward counts 0)."""

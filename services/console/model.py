@@ -37,7 +37,6 @@ class TrialRow:
     samples: int
     actors: tuple[ActorInfo, ...]
     properties: dict[str, str]
-    position: int = 0  # the datastore's paging position (its trial handle)
     returns: dict[str, float] = field(default_factory=dict)
 
 
@@ -51,10 +50,6 @@ class Curve:
     reward_min: list[float]
     reward_max: list[float]
     returns: list[float]
-
-    @property
-    def total(self) -> float:
-        return self.returns[-1] if self.returns else 0.0
 
 
 @dataclass(frozen=True)
