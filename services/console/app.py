@@ -237,6 +237,12 @@ def _events(stream: AsyncIterator[str]) -> Response:
     )
 
 
+async def healthz(request: Request) -> Response:
+    """What a probe checks: the console answers. A service down is shown on the pages, so it does
+    not make the console unready (nor restart it)."""
+    return Response("ok\n", media_type="text/plain", headers={"Cache-Control": "no-store"})
+
+
 async def plotly_js(request: Request) -> Response:
     return FileResponse(PLOTLY_JS, media_type="text/javascript", headers={"Cache-Control": "max-age=86400"})
 
@@ -269,13 +275,13 @@ def _token_matches(expected: str, given: str) -> bool:
 
 
 class TokenRequired(BaseHTTPMiddleware):
-    """With an access token configured: every page but the login form and the static files
-    needs it, as a bearer token or the login form's cookie."""
+    """With an access token configured: every page but the login form, the static files and the
+    probes' /healthz needs it, as a bearer token or the login form's cookie."""
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
         expected: str = request.app.state.auth_token
         path = request.url.path
-        if not expected or path == "/login" or path.startswith("/static/"):
+        if not expected or path in ("/login", "/healthz") or path.startswith("/static/"):
             return await call_next(request)
         header = request.headers.get("authorization", "")
         given = (
@@ -310,6 +316,7 @@ def build_app(console: Console, auth_token: str) -> Starlette:
         Route("/api/models/{model_id}/events", _handled(model_events)),
         Route("/directory", _handled(directory)),
         Route("/login", login, methods=["GET", "POST"]),
+        Route("/healthz", healthz),
         Route("/static/vendor/plotly.min.js", plotly_js),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]

@@ -25,6 +25,9 @@ from shared.logging import configure_logging, get_logger, logging_options
 from shared.server import supervisor_notifier
 
 DEFAULT_PORT = 9010
+# Seconds a stop (SIGTERM, Ctrl-C) gives open requests before they are cut: the streams of the
+# pages left open (a running trial's curves, a model's versions) would otherwise never end.
+SHUTDOWN_GRACE_S = 3
 ENV_PREFIX = "COGMENT_CONSOLE"
 DESCRIPTION = """\
 The Cogment web console: trials with their reward curves and samples, models and their versions,
@@ -168,7 +171,9 @@ async def serve(settings: ConsoleSettings) -> None:
         await sources.close()
         where = f"{settings.host}:{settings.port}"
         raise ConfigurationError(f"cannot serve on {where}: {error.strerror}") from None
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
     server = uvicorn.Server(config)  # it stops gracefully on SIGINT and SIGTERM
     # ...and raises them again once stopped, to whatever handled them before: nothing, so that
     # the console ends as the services do (its clients closed, `stopped` logged, status 0).

@@ -309,6 +309,9 @@ async def test_the_access_token(suite: Suite) -> None:
         redirected = await http.get("/trials", headers={"accept": "text/html"})
         assert redirected.status_code == 303 and redirected.headers["location"].startswith("/login")
         assert (await http.get("/static/console.css")).status_code == 200
+        # The probes' address answers without the token and shows nothing.
+        health = await http.get("/healthz")
+        assert (health.status_code, health.text) == (200, "ok\n")
         assert (await http.get("/trials", headers={"authorization": "Bearer s3cret"})).status_code == 200
         wrong = await http.post("/login", data={"token": "nope"})
         assert wrong.status_code == 401

@@ -21,6 +21,7 @@ import yaml
 
 from deploy.dashboards import DASHBOARDS
 from services.cli import main as cogment_aux
+from services.console.service import OPTIONS as CONSOLE_OPTIONS
 from services.datastore.service import OPTIONS as DATASTORE_OPTIONS
 from services.directory.service import OPTIONS as DIRECTORY_OPTIONS
 from services.model_registry.service import OPTIONS as REGISTRY_OPTIONS
@@ -53,8 +54,10 @@ COMPONENTS = {
     "model-registry": ["services", "model_registry"],
     "datastore": ["services", "trial_datastore"],
 }
+CONSOLE = ["services", "console"]
 MIGRATE = ["migrate"]
 OPTIONS_BY_COMMAND: dict[tuple[str, ...], list[Option]] = {
+    ("services", "console"): CONSOLE_OPTIONS,
     ("services", "directory"): DIRECTORY_OPTIONS,
     ("services", "model_registry"): REGISTRY_OPTIONS,
     ("services", "trial_datastore"): DATASTORE_OPTIONS,
@@ -85,6 +88,11 @@ def default_manifests() -> list[Manifest]:
 @pytest.fixture(scope="module")
 def scale_out_manifests() -> list[Manifest]:
     return render([SCALE_OUT_VALUES])
+
+
+def service_deployments(manifests: list[Manifest]) -> dict[str, Manifest]:
+    """The Deployments of the gRPC services by component (the console's is checked on its own)."""
+    return {name: m for name, m in by_component(manifests, "Deployment").items() if name != "console"}
 
 
 def containers(manifests: list[Manifest]) -> Iterator[tuple[Manifest, dict[str, Any], dict[str, Any]]]:
@@ -229,7 +237,9 @@ def test_default_values_deploy_three_services_on_sqlite(default_manifests: list[
     deployments = by_component(default_manifests, "Deployment")
     services = by_component(default_manifests, "Service")
     claims = by_component(default_manifests, "PersistentVolumeClaim")
-    assert set(deployments) == set(services) == set(claims) == set(COMPONENTS)
+    assert set(deployments) == set(services) == {*COMPONENTS, "console"}  # the console: below
+    deployments = service_deployments(default_manifests)
+    assert set(claims) == set(COMPONENTS)
     assert of_kind(default_manifests, "Job") == []  # no migration Job with SQLite
     assert of_kind(default_manifests, "PodDisruptionBudget") == []
     assert of_kind(default_manifests, "NetworkPolicy") == of_kind(default_manifests, "ServiceMonitor") == []
@@ -275,10 +285,11 @@ def test_pods_are_locked_down(default_manifests: list[Manifest], scale_out_manif
         resources = container["resources"]
         assert resources["requests"]["cpu"] and resources["requests"]["memory"], name
         assert resources["limits"]["memory"], name
-        # What it writes goes to volumes: /tmp always, /data for the services.
+        # What it writes goes to volumes: /tmp always, /data for the services (the console
+        # keeps nothing).
         mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
         assert "/tmp" in mounts, name
-        if workload["kind"] == "Deployment":
+        if workload["kind"] == "Deployment" and container["args"] != CONSOLE:
             assert "/data" in mounts, name
 
 
@@ -313,7 +324,7 @@ def test_registry_and_datastore_register_in_the_chart_directory(default_manifest
     assert env["COGMENT_TRIAL_DATASTORE_DIRECTORY_REGISTRATION_HOST"]["value"] == (
         "cogment-cogment-aux-datastore.cogment.svc.cluster.local"
     )
-    without_directory = by_component(render(set_values={"directory.enabled": "false"}), "Deployment")
+    without_directory = service_deployments(render(set_values={"directory.enabled": "false"}))
     assert set(without_directory) == {"model-registry", "datastore"}
     assert "COGMENT_DIRECTORY_ENDPOINT" not in env_of(
         pod_spec(without_directory["datastore"])["containers"][0]
@@ -380,7 +391,7 @@ def test_registration_follows_the_tls_of_the_chart_directory() -> None:
     env, sources = _registration_tls(render(set_values={**mtls, **client}), "datastore")
     assert sources[1] == _secret_source("client", **{"tls.crt": "tls.crt", "tls.key": "k"})
     # The directory's plaintext: so is the registration, whatever the other services do.
-    plain_directory = {**tls, "directory.tls.enabled": "false"}
+    plain_directory = {**tls, "directory.tls.enabled": "false", "console.enabled": "false"}
     assert _registration_tls(render(set_values=plain_directory), "datastore") == ({}, [])
 
 
@@ -417,12 +428,14 @@ def test_the_health_port_and_its_network_policy_rule_follow_the_values() -> None
             "networkPolicy.healthFrom[0].ipBlock.cidr": "10.0.0.0/16",
         }
     )
-    for component, deployment in by_component(manifests, "Deployment").items():
+    for component, deployment in service_deployments(manifests).items():
         (container,) = pod_spec(deployment)["containers"]
         assert {"name": "health", "containerPort": 8500, "protocol": "TCP"} in container["ports"]
         assert env_of(container)[f"{ENV_PREFIXES[component]}_HEALTH_PORT"]["value"] == "8500"
         assert all(container[probe]["grpc"] == probe_target(probe, 8500) for probe in PROBES)
-    for policy in of_kind(manifests, "NetworkPolicy"):
+    for component, policy in by_component(manifests, "NetworkPolicy").items():
+        if component == "console":  # no health port: its probes are HTTP requests on its own port
+            continue
         (rule,) = [rule for rule in policy["spec"]["ingress"] if rule["ports"][0]["port"] == "health"]
         assert rule["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
 
@@ -431,13 +444,14 @@ def test_the_health_port_and_its_network_policy_rule_follow_the_values() -> None
 
 
 def test_scale_out_values(scale_out_manifests: list[Manifest]) -> None:
-    deployments = by_component(scale_out_manifests, "Deployment")
+    deployments = service_deployments(scale_out_manifests)
     assert of_kind(scale_out_manifests, "PersistentVolumeClaim") == []  # PostgreSQL and S3 hold the state
     budgets = by_component(scale_out_manifests, "PodDisruptionBudget")
     policies = by_component(scale_out_manifests, "NetworkPolicy")
     monitors = by_component(scale_out_manifests, "ServiceMonitor")
     services = by_component(scale_out_manifests, "Service")
-    assert set(deployments) == set(budgets) == set(policies) == set(monitors) == set(COMPONENTS)
+    assert set(deployments) == set(monitors) == set(COMPONENTS)
+    assert set(budgets) == set(policies) == {*COMPONENTS, "console"}
     for component, deployment in deployments.items():
         assert deployment["spec"]["replicas"] == 3
         assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
@@ -552,15 +566,20 @@ def test_postgresql_s3_values_need_two_secrets_and_nothing_else() -> None:
     manifests = render([POSTGRESQL_S3_VALUES])
     kinds = {manifest["kind"] for manifest in manifests}
     assert not kinds & {"ServiceMonitor", "PrometheusRule", "ConfigMap", "NetworkPolicy", "Certificate"}
-    deployments = by_component(manifests, "Deployment")
+    deployments = service_deployments(manifests)
     referenced = set()
     for _workload, spec, container in containers(manifests):
         assert not any("tls" in volume["name"] for volume in spec.get("volumes", []))
         for variable in container.get("env", []):
             if reference := variable.get("valueFrom", {}).get("secretKeyRef"):
                 referenced.add(reference["name"])
-    # The directory's key is in a Secret the chart generates itself.
-    assert referenced == {"cogment-aux-database", "cogment-aux-s3", "cogment-cogment-aux-directory-key"}
+    # The directory's key and the console's access token are in Secrets the chart generates itself.
+    assert referenced == {
+        "cogment-aux-database",
+        "cogment-aux-s3",
+        "cogment-cogment-aux-directory-key",
+        "cogment-cogment-aux-console-token",
+    }
     assert {name: deployment["spec"]["replicas"] for name, deployment in deployments.items()} == {
         "directory": 2,
         "model-registry": 2,
@@ -651,6 +670,165 @@ def test_every_environment_variable_is_an_option_of_the_service(
     assert "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN" in seen and "COGMENT_DATABASE_URL" in seen
 
 
+# ---- the web console ----
+
+CONSOLE_PROBES = {"httpGet": {"path": "/healthz", "port": "http"}}
+
+
+def _console(manifests: list[Manifest]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The console's pod spec, its container, and its environment entries by name."""
+    spec = pod_spec(by_component(manifests, "Deployment")["console"])
+    (container,) = spec["containers"]
+    return spec, container, env_of(container)
+
+
+def _values(env: dict[str, Any], *names: str) -> dict[str, str]:
+    return {name: env[name]["value"] for name in names if name in env}
+
+
+ENDPOINT_VARIABLES = (
+    "COGMENT_DIRECTORY_ENDPOINT",
+    "COGMENT_MODEL_REGISTRY_ENDPOINT",
+    "COGMENT_TRIAL_DATASTORE_ENDPOINT",
+)
+
+
+def test_the_console_reads_the_release_services_by_name_behind_a_generated_token(
+    default_manifests: list[Manifest],
+) -> None:
+    spec, container, env = _console(default_manifests)
+    assert container["args"] == CONSOLE
+    assert _values(env, *ENDPOINT_VARIABLES) == {
+        "COGMENT_DIRECTORY_ENDPOINT": "grpc://cogment-cogment-aux-directory.cogment.svc.cluster.local:9005",
+        "COGMENT_MODEL_REGISTRY_ENDPOINT": "grpc://cogment-cogment-aux-model-registry.cogment.svc.cluster.local:9002",
+        "COGMENT_TRIAL_DATASTORE_ENDPOINT": "grpc://cogment-cogment-aux-datastore.cogment.svc.cluster.local:9003",
+    }  # fmt: skip
+    # The pod's address, which the console serves only with its access token...
+    assert _values(env, "COGMENT_CONSOLE_HOST", "COGMENT_CONSOLE_PORT") == {
+        "COGMENT_CONSOLE_HOST": "0.0.0.0",
+        "COGMENT_CONSOLE_PORT": "9010",
+    }
+    assert "COGMENT_CONSOLE_ALLOW_ANYONE_ON_THE_NETWORK" not in env
+    # ...which the chart generates once and keeps.
+    (token,) = [
+        m for m in of_kind(default_manifests, "Secret") if m["metadata"]["name"].endswith("-console-token")
+    ]
+    assert token["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(token["data"]["token"])) == 32
+    assert env["COGMENT_CONSOLE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": token["metadata"]["name"],
+        "key": "token",
+    }
+    # HTTP probes of /healthz on its one port; no TLS, no state.
+    assert container["ports"] == [{"name": "http", "containerPort": 9010, "protocol": "TCP"}]
+    for probe in PROBES:
+        assert {key: container[probe][key] for key in CONSOLE_PROBES} == CONSOLE_PROBES, probe
+    assert not [name for name in env if "TLS" in name]
+    assert [volume["name"] for volume in spec["volumes"]] == ["tmp"]
+    service = by_component(default_manifests, "Service")["console"]
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 9010, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert (
+        service["spec"]["selector"]
+        == by_component(default_manifests, "Deployment")["console"]["spec"]["selector"]["matchLabels"]
+    )
+    assert "console" not in by_component(default_manifests, "PodDisruptionBudget")  # one replica
+
+
+def test_the_console_reaches_mtls_services_with_the_release_certificates(
+    scale_out_manifests: list[Manifest],
+) -> None:
+    spec, container, env = _console(scale_out_manifests)
+    assert {name: value.split("://")[0] for name, value in _values(env, *ENDPOINT_VARIABLES).items()} == {
+        name: "grpcs" for name in ENDPOINT_VARIABLES
+    }
+    assert _values(env, "COGMENT_CLIENT_TLS_CA", "COGMENT_CLIENT_TLS_CERT", "COGMENT_CLIENT_TLS_KEY") == {
+        "COGMENT_CLIENT_TLS_CA": "/etc/cogment-aux/client-tls/ca.crt",
+        "COGMENT_CLIENT_TLS_CERT": "/etc/cogment-aux/client-tls/tls.crt",
+        "COGMENT_CLIENT_TLS_KEY": "/etc/cogment-aux/client-tls/tls.key",
+    }
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert volumes["client-tls"]["projected"]["sources"] == [
+        _secret_source("cogment-aux-tls", **{"ca.crt": "ca.crt"}),
+        _secret_source("cogment-aux-registration", **{"tls.crt": "tls.crt", "tls.key": "tls.key"}),
+    ]
+    assert {"name": "client-tls", "mountPath": "/etc/cogment-aux/client-tls", "readOnly": True} in (
+        container["volumeMounts"]
+    )
+    # The directory token the services registered with: the console sees their entries.
+    assert env["COGMENT_DIRECTORY_AUTHENTICATION_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "cogment-aux-directory-token",
+        "key": "token",
+    }
+    # Two replicas, a disruption budget, and only labelled clients reach the pages.
+    assert by_component(scale_out_manifests, "Deployment")["console"]["spec"]["replicas"] == 2
+    assert "console" in by_component(scale_out_manifests, "PodDisruptionBudget")
+    policy = by_component(scale_out_manifests, "NetworkPolicy")["console"]["spec"]
+    assert policy["ingress"] == [
+        {
+            "ports": [{"port": "http", "protocol": "TCP"}],
+            "from": [{"podSelector": {"matchLabels": {"cogment-cogment-aux-client": "true"}}}],
+        }
+    ]
+
+
+def test_the_console_values() -> None:
+    # An access token of one's own: nothing generated.
+    own = render(set_values={"console.authToken.existingSecret": "mine", "console.authToken.key": "t"})
+    assert not [m for m in of_kind(own, "Secret") if m["metadata"]["name"].endswith("-console-token")]
+    assert _console(own)[2]["COGMENT_CONSOLE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "mine",
+        "key": "t",
+    }
+    # No token at all, by the flag that names the risk.
+    anyone = render(set_values={"console.allowAnyoneOnTheNetwork": "true"})
+    env = _console(anyone)[2]
+    assert "COGMENT_CONSOLE_AUTH_TOKEN" not in env
+    assert env["COGMENT_CONSOLE_ALLOW_ANYONE_ON_THE_NETWORK"]["value"] == "true"
+    assert not [m for m in of_kind(anyone, "Secret") if m["metadata"]["name"].endswith("-console-token")]
+    # Endpoints given win; a service not deployed here is discovered through the directory (or
+    # the directory the services register in).
+    elsewhere = render(
+        set_values={
+            "directory.enabled": "false",
+            "directoryRegistration.endpoint": "grpc://directory.example:9005",
+            "modelRegistry.enabled": "false",
+            "console.endpoints.trialDatastore": "grpc://datastore.example:9003",
+            "console.protoModule": "services.demo.api.spec_pb2",
+            "console.messages": "player=cogment_aux_demo.Observation\\,cogment_aux_demo.Action",
+        }
+    )
+    env = _console(elsewhere)[2]
+    assert _values(env, *ENDPOINT_VARIABLES) == {
+        "COGMENT_DIRECTORY_ENDPOINT": "grpc://directory.example:9005",
+        "COGMENT_TRIAL_DATASTORE_ENDPOINT": "grpc://datastore.example:9003",
+    }
+    assert env["COGMENT_CONSOLE_PROTO_MODULE"]["value"] == "services.demo.api.spec_pb2"
+    assert (
+        env["COGMENT_CONSOLE_MESSAGES"]["value"]
+        == "player=cogment_aux_demo.Observation,cogment_aux_demo.Action"
+    )
+    # TLS for services given by endpoint, with a CA of its own.
+    external_tls = render(
+        set_values={
+            "console.tls.enabled": "true",
+            "console.tls.caSecret": "their-ca",
+            "console.tls.caKey": "ca.pem",
+        }
+    )
+    spec, _container, env = _console(external_tls)
+    assert env["COGMENT_CLIENT_TLS_CA"]["value"] == "/etc/cogment-aux/client-tls/ca.crt"
+    assert "COGMENT_CLIENT_TLS_CERT" not in env
+    (client_tls,) = [volume for volume in spec["volumes"] if volume["name"] == "client-tls"]
+    assert client_tls["projected"]["sources"] == [_secret_source("their-ca", **{"ca.crt": "ca.pem"})]
+    # Disabled: nothing of it.
+    disabled = render(set_values={"console.enabled": "false"})
+    assert not [
+        m for m in disabled if m["metadata"]["labels"].get("app.kubernetes.io/component") == "console"
+    ]
+
+
 # ---- what the chart refuses ----
 
 
@@ -709,9 +887,23 @@ def test_every_environment_variable_is_an_option_of_the_service(
                 "tls.clientCA.enabled": "true",
                 "tls.clientCA.existingSecret": "ca",
                 "modelRegistry.tls.enabled": "false",
+                "console.enabled": "false",
                 "datastore.tls.enabled": "false",
             },
             "modelRegistry registers in a directory that requires client certificates, but has no",
+        ),
+        (
+            {"tls.enabled": "true", "tls.existingSecret": "tls", "directory.tls.enabled": "false"},
+            "the console reaches them all with one TLS setting",
+        ),
+        ({"console.tls.enabled": "true"}, "has no CA to check their certificates with"),
+        (
+            {
+                "console.tls.enabled": "true",
+                "console.tls.caSecret": "ca",
+                "console.tls.clientCert.enabled": "true",
+            },
+            "reaches services that require client certificates but has no certificate",
         ),
         ({"probes.healthPort": "9002"}, "probes.healthPort=9002 is also modelRegistry.port"),
         (
@@ -728,7 +920,7 @@ def test_the_chart_refuses_what_cannot_work(set_values: dict[str, str], message:
 
 def test_sqlite_scales_to_one_replica_per_service_and_disabled_services_are_left_out() -> None:
     manifests = render(set_values={"modelRegistry.enabled": "false", "datastore.replicaCount": "1"})
-    assert set(by_component(manifests, "Deployment")) == {"directory", "datastore"}
+    assert set(service_deployments(manifests)) == {"directory", "datastore"}
     assert set(by_component(manifests, "PersistentVolumeClaim")) == {"directory", "datastore"}
 
 
@@ -755,6 +947,11 @@ def test_notes_tell_how_to_reach_each_service() -> None:
         f"--values={SCALE_OUT_VALUES}",
     )
     assert "over TLS with a client certificate" in scale_out.stdout.split("NOTES:", 1)[1]
+    # The console: how to open it, and how to read its access token.
+    assert "kubectl --namespace ml port-forward svc/cogment-cogment-aux-console 9010:9010" in notes
+    assert "then open http://localhost:9010/" in notes
+    read_token = "get secret cogment-cogment-aux-console-token -o jsonpath='{.data.token}' | base64 -d"
+    assert f"kubectl --namespace ml {read_token}" in notes
 
 
 # ---- the image ----
@@ -797,7 +994,7 @@ def test_the_containers_run_cogment_aux_commands(
         for manifests in (default_manifests, scale_out_manifests)
         for _workload, _spec, container in containers(manifests)
     }
-    assert commands == {*(tuple(args) for args in COMPONENTS.values()), tuple(MIGRATE)}
+    assert commands == {*(tuple(args) for args in COMPONENTS.values()), tuple(CONSOLE), tuple(MIGRATE)}
     for command in sorted(commands):
         with pytest.raises(SystemExit) as exited:
             cogment_aux([*command, "--help"])
@@ -811,7 +1008,7 @@ def test_every_service_listens_on_the_pods_address(
     """The services' own default address is 127.0.0.1, which neither their Service nor kubelet's
     probes reach: the chart sets it."""
     for manifests in (default_manifests, scale_out_manifests, render([POSTGRESQL_S3_VALUES])):
-        for component, deployment in by_component(manifests, "Deployment").items():
+        for component, deployment in service_deployments(manifests).items():
             (container,) = pod_spec(deployment)["containers"]
             name = f"{ENV_PREFIXES[component]}_BIND_ADDRESS"
             assert env_of(container)[name] == {"name": name, "value": "0.0.0.0"}, component

@@ -32,6 +32,8 @@ import os
 import secrets
 import sqlite3
 import types
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +89,10 @@ pytestmark = [
 
 RELEASE, NAMESPACE = "cogment", "cogment"
 DIRECTORY_SERVICE_URL = f"grpc://{RELEASE}-cogment-aux-directory.{NAMESPACE}.svc.cluster.local:9005"
+SERVICE_ENDPOINTS = {
+    "COGMENT_MODEL_REGISTRY_ENDPOINT": "model-registry",
+    "COGMENT_TRIAL_DATASTORE_ENDPOINT": "datastore",
+}
 ENV_PREFIXES = ("COGMENT_DIRECTORY", "COGMENT_MODEL_REGISTRY", "COGMENT_TRIAL_DATASTORE")
 SERVICE_PORTS = {"directory": 9005, "model_registry": 9002, "trial_datastore": 9003}
 SITE_PACKAGES = "/opt/venv/lib/python3.11/site-packages"
@@ -233,7 +239,7 @@ def test_the_image_serves_every_service_from_an_empty_volume_and_migrates(
 
 
 def rendered_secrets(manifests: list[Manifest]) -> dict[str, dict[str, str]]:
-    """The Secrets the chart makes itself (the directory's key), decoded."""
+    """The Secrets the chart makes itself (the directory's key, the console's token), decoded."""
     return {
         secret["metadata"]["name"]: {
             key: base64.b64decode(value).decode() for key, value in secret["data"].items()
@@ -269,7 +275,7 @@ class ContainerRelease:
 
     def rewrite(self, component: str, name: str, value: str) -> str:
         """What differs between a pod and a container on this host's network."""
-        if name.endswith("_BIND_ADDRESS"):
+        if name.endswith("_BIND_ADDRESS") or name == "COGMENT_CONSOLE_HOST":
             return "127.0.0.1"  # the host's network: keep the services off its other interfaces
         if name.endswith("_HEALTH_PORT"):
             self.health_ports[component] = reserve_port(self.taken)
@@ -282,6 +288,12 @@ class ContainerRelease:
         if name == "COGMENT_DIRECTORY_ENDPOINT":
             assert value == DIRECTORY_SERVICE_URL, value
             return f"grpc://127.0.0.1:{self.ports['directory']}"
+        if name in SERVICE_ENDPOINTS:  # the console reads the release's services by name
+            served = SERVICE_ENDPOINTS[name]
+            assert (
+                value == f"grpc://{RELEASE}-cogment-aux-{served}.{NAMESPACE}.svc.cluster.local:{value[-4:]}"
+            )
+            return f"grpc://127.0.0.1:{self.ports[served]}"
         if self.s3 is not None and name.endswith("_S3_ENDPOINT"):
             return self.s3.endpoint
         if name.endswith("_S3_SECURE"):
@@ -319,6 +331,8 @@ class ContainerRelease:
 
         def serving() -> bool:
             assert running.running(), f"{component} ended:\n{running.logs()}"
+            if "httpGet" in probe:  # the console
+                return http_get(self.ports[component], probe["httpGet"]["path"])[0] == 200
             return probe_serving(self.health_ports[component], probe["grpc"].get("service", ""))
 
         wait_until(serving, deadline_s, f"{component}'s startup probe", interval_s=0.5)
@@ -331,6 +345,21 @@ class ContainerRelease:
     def remove(self) -> None:
         for container in self.containers.values():
             self.podman.remove(container.name)
+
+
+def http_get(port: int, path: str, token: str | None = None) -> tuple[int, str]:
+    """(status, body) of GET http://127.0.0.1:port/path; (0, why) when nothing answers."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(
+            urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers), timeout=10
+        ) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+    except OSError as error:
+        return 0, str(error)
 
 
 def probe_serving(port: int, service: str) -> bool:
@@ -515,6 +544,22 @@ def test_the_chart_containers_pass_the_sdk_suite(
 
     asyncio.run(run_datastore_suite(release.ports["datastore"], sdk_python, tmp_path / "sdk-datastore"))
 
+    # The web console from the same image (read-only root, the pod's user): it reads the three
+    # services by their Services' names, behind the token the chart generated.
+    release.start("console")
+    token = rendered_secrets(manifests)[f"{RELEASE}-cogment-aux-console-token"]["token"]
+    console_port = release.ports["console"]
+    assert http_get(console_port, "/")[0] == 401
+    status, overview = http_get(console_port, "/", token)
+    assert status == 200 and overview.count('class="up"') == 3, overview
+    status, trials = http_get(console_port, "/trials", token)
+    assert status == 200 and "<tr data-trial=" in trials, trials
+    assert http_get(console_port, "/static/vendor/plotly.min.js", token)[0] == 200
+    assert (
+        release.containers["console"].stop(pod_spec(deployments["console"])["terminationGracePeriodSeconds"])
+        == 0
+    )
+
     # SIGTERM, as Kubernetes stops a pod: the registry and the datastore deregister, every one
     # ends with status 0 within its grace period.
     for component in ("datastore", "model-registry", "directory"):
@@ -523,7 +568,7 @@ def test_the_chart_containers_pass_the_sdk_suite(
         grace = pod_spec(deployments[component])["terminationGracePeriodSeconds"]
         container = release.containers[component]
         assert container.stop(grace) == 0, container.logs()
-    for component in ("directory", "model-registry", "datastore"):
+    for component in ("directory", "model-registry", "datastore", "console"):
         container = release.containers[component]
         (serving,) = [e for e in container.events() if e.get("event") == "serving"]  # JSON lines only
         assert serving["port"] == release.ports[component]

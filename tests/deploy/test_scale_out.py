@@ -13,16 +13,21 @@ test's own.
 The migration Job runs once; then two replicas of each service start together against the one
 database and bucket: each replica of the registry and the datastore registers itself in the
 directory over mTLS, every replica answers kubelet's gRPC probes on its plaintext health port,
-and each service is exercised through both replicas. A second test runs the self-registration
-wiring in plaintext, with the default values (SQLite files on the data volumes) and with the
-scale-out values without TLS.
+and each service is exercised through both replicas. Then the web console's two replicas read
+them all over mTLS, behind their access token, and stop promptly with a page's stream open. A
+second test runs the self-registration wiring in plaintext, with the default values (SQLite files
+on the data volumes) and with the scale-out values without TLS.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import secrets
+import signal
+import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -68,6 +73,7 @@ pytestmark = pytest.mark.timeout(240)
 RELEASE, NAMESPACE = "cogment", "cogment"
 DIRECTORY_HOST = f"{RELEASE}-cogment-aux-directory.{NAMESPACE}.svc.cluster.local"
 TOKEN = "scale-out-token"
+CONSOLE_TOKEN = "scale-out-console-token"
 
 
 def _secret_value_for(env_name: str, postgres_url: str, s3: SeaweedS3) -> str:
@@ -82,15 +88,17 @@ def _secret_value_for(env_name: str, postgres_url: str, s3: SeaweedS3) -> str:
         return "scale-out-directory-key-" + "k" * 32
     if env_name == "COGMENT_DIRECTORY_AUTHENTICATION_TOKEN":
         return TOKEN
+    if env_name == "COGMENT_CONSOLE_AUTH_TOKEN":
+        return CONSOLE_TOKEN
     raise AssertionError(f"no test value for the Secret behind {env_name}")
 
 
 def _tls_file_for(volume: str, path: str, pki: Pki | None) -> str:
-    """What a mounted certificate file holds: the server's certificate, except in the volume of
-    the directory registration, where tls.crt and tls.key are the client certificate (the
-    server's has no clientAuth usage, as the scale-out values say)."""
+    """What a mounted certificate file holds: the server's certificate, except in the volumes of
+    the directory registration and of the console's client, where tls.crt and tls.key are the
+    client certificate (the server's has no clientAuth usage, as the scale-out values say)."""
     assert pki is not None, "a TLS Secret is mounted but the test made no certificates"
-    pair = pki.client if volume == "directory-tls" else pki.server
+    pair = pki.client if volume in ("directory-tls", "client-tls") else pki.server
     files = {"tls.crt": pair.cert, "tls.key": pair.key, "ca.crt": pki.ca}
     return files[path].read_text()
 
@@ -217,6 +225,36 @@ class LocalRelease:
             service.wait_serving(60)
         return started
 
+    def start_console(self, endpoints: dict[str, str]) -> RunningService:
+        """A console replica, reading the services at `endpoints` (by variable name) instead of
+        their Services' DNS names."""
+        self._count += 1
+        where = self.root / f"console-{self._count}"
+
+        def rewrite(name: str, value: str) -> str:
+            if name == "COGMENT_CONSOLE_HOST":
+                return "127.0.0.1"
+            if name == "COGMENT_CONSOLE_PORT":
+                return str(reserve_port(self._taken_ports))
+            if name in endpoints:
+                assert value.endswith(f".{NAMESPACE}.svc.cluster.local:{value.rsplit(':', 1)[1]}"), value
+                return endpoints[name]
+            return self.rewrite(name, value)
+
+        command = local_command(
+            pod_spec(by_component(self.manifests, "Deployment")["console"]),
+            self.container("console"),
+            entrypoint=self.entrypoint,
+            secrets=self.secrets,
+            field_refs={},
+            volumes_dir=where / "volumes",
+            rewrite=rewrite,
+        )
+        service = RunningService(start_local(command, cwd=where), where / "log")
+        self.running.append(service)
+        service.wait_serving(60)
+        return service
+
     def container(self, component: str) -> dict[str, Any]:
         container: dict[str, Any] = pod_spec(by_component(self.manifests, "Deployment")[component])[
             "containers"
@@ -262,6 +300,28 @@ def kubelet_probe(release: LocalRelease, component: str, replica: RunningService
             timeout=probe.get("timeoutSeconds", 1),
         )
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def console_get(console: RunningService, path: str, token: str | None = CONSOLE_TOKEN) -> tuple[int, str]:
+    """(status, body) of GET `path`, with the access token as a bearer token (None: without)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(f"http://127.0.0.1:{console.port}{path}", headers=headers)
+    try:
+        with opener.open(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def http_probe(release: LocalRelease, console: RunningService, kind: str) -> bool:
+    """The console container's probe as kubelet runs it: GET of its path on its named port."""
+    container = release.container("console")
+    probe = container[kind]["httpGet"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert probe["port"] in ports, probe
+    status, body = console_get(console, probe["path"], token=None)  # kubelet has no token
+    return status == 200 and body == "ok\n"
 
 
 def registered(
@@ -491,6 +551,57 @@ def test_scale_out_values_run_two_replicas_per_service(
         ):
             health_pb2_grpc.HealthStub(anonymous).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert "grpc_server_handled_total" in scrape_metrics(a)
+
+    # The console's replicas read every service over mTLS (each from another replica), as the
+    # chart wires them: its CA and client certificate, the directory token, its access token.
+    consoles = [
+        release.start_console(
+            {
+                "COGMENT_DIRECTORY_ENDPOINT": f"grpcs://{by_name['directory'][i].address}",
+                "COGMENT_MODEL_REGISTRY_ENDPOINT": f"grpcs://{registries[i].address}",
+                "COGMENT_TRIAL_DATASTORE_ENDPOINT": f"grpcs://{datastores[i].address}",
+            }
+        )
+        for i in range(2)
+    ]
+    for console in consoles:
+        assert all(
+            http_probe(release, console, kind) for kind in ("startupProbe", "livenessProbe", "readinessProbe")
+        )
+        assert console_get(console, "/", token=None)[0] == 401
+        status, overview = console_get(console, "/")
+        assert status == 200 and overview.count('class="up"') == 3, overview
+        status, trials = console_get(console, "/trials")
+        assert status == 200 and "scale-out-" in trials and "spread-" in trials
+        status, model = console_get(console, "/models/pilot")
+        assert status == 200 and model.count("<tr data-version=") == 2, model
+        status, entries = console_get(console, "/directory")  # the registered replicas, by token
+        assert status == 200 and entries.count("<tr data-entry=") == 6, entries
+    # A page's stream left open (a model's new versions) does not hold a stop up for long.
+    opened = threading.Event()
+
+    def follow_versions() -> None:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{consoles[0].port}/api/models/pilot/events",
+            headers={"Authorization": f"Bearer {CONSOLE_TOKEN}"},
+        )
+        try:
+            with opener.open(request, timeout=60) as stream:
+                opened.set()
+                stream.read()
+        except (OSError, http.client.HTTPException):
+            pass  # cut by the stop, as expected
+
+    reader = threading.Thread(target=follow_versions, daemon=True)
+    reader.start()
+    assert opened.wait(30)
+    assert consoles[0].terminate(signal.SIGTERM, timeout_s=20) == 0
+    reader.join(20)
+    assert not reader.is_alive()
+    assert consoles[1].terminate(signal.SIGTERM) == 0
+    for console in consoles:
+        release.running.remove(console)
 
     # A registry replica going away (SIGTERM) deregisters itself, over mTLS too.
     registries[0].stop()

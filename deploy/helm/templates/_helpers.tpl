@@ -1,6 +1,7 @@
 {{/*
 Names, labels and the settings each service's templates share.
-A "component" is one of the values keys: directory, modelRegistry, datastore.
+A "component" is one of the values keys: directory, modelRegistry, datastore (the gRPC services,
+"componentKeys"), and console (the web console, an HTTP server with templates of its own).
 */}}
 
 {{- define "cogment-aux.name" -}}
@@ -41,6 +42,11 @@ datastore:
   envPrefix: COGMENT_TRIAL_DATASTORE
   suffix: datastore
   registers: true
+console:
+  service: console
+  envPrefix: COGMENT_CONSOLE
+  suffix: console
+  registers: false
 {{- end -}}
 
 {{/* The component keys, in a fixed order. */}}
@@ -202,6 +208,119 @@ keyKey: {{ $own.keyKey | quote }}
 {{- end }}
 {{- end -}}
 
+{{/*
+Where the pods of one component are scheduled: its nodeSelector, tolerations, affinity (else the
+podAntiAffinity preset) and topology spread constraints. (dict "root" $ "key" "directory")
+*/}}
+{{- define "cogment-aux.scheduling" -}}
+{{- $values := index .root.Values .key -}}
+{{- with $values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if $values.affinity }}
+affinity:
+  {{- toYaml $values.affinity | nindent 2 }}
+{{- else if eq .root.Values.podAntiAffinity "soft" }}
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "cogment-aux.componentSelectorLabels" . | nindent 14 }}
+{{- else if eq .root.Values.podAntiAffinity "hard" }}
+affinity:
+  podAntiAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "cogment-aux.componentSelectorLabels" . | nindent 12 }}
+{{- end }}
+{{- with $values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+How the console reaches the services, as YAML: each one's endpoint (empty: the console discovers
+it through the directory), and whether it speaks TLS to them, with which CA and client
+certificate. An endpoint not given is this release's Service (for the directory, else
+directoryRegistration.endpoint); TLS (console.tls.enabled null) follows what the release's
+Services it reaches serve: `mixed` when they differ, which one set of client settings cannot
+reach (validate refuses it).
+*/}}
+{{- define "cogment-aux.consoleClient" -}}
+{{- $root := . -}}
+{{- $console := .Values.console -}}
+{{- $conf := $console.tls -}}
+{{- $given := dict "directory" $console.endpoints.directory "modelRegistry" $console.endpoints.modelRegistry "datastore" $console.endpoints.trialDatastore -}}
+{{- $release := list -}}
+{{- range $key := include "cogment-aux.componentKeys" . | fromJsonArray -}}
+{{- if and (index $root.Values $key).enabled (not (index $given $key)) -}}
+{{- $release = append $release $key -}}
+{{- end -}}
+{{- end -}}
+{{- $enabled := false -}}
+{{- $mtls := false -}}
+{{- $mixed := false -}}
+{{- range $index, $key := $release -}}
+{{- $tls := include "cogment-aux.tls" (dict "root" $root "key" $key) | fromYaml -}}
+{{- if eq $index 0 -}}
+{{- $enabled = $tls.enabled -}}
+{{- $mtls = $tls.mtls -}}
+{{- else if or (ne $tls.enabled $enabled) (ne $tls.mtls $mtls) -}}
+{{- $mixed = true -}}
+{{- end -}}
+{{- end -}}
+{{- if kindIs "bool" $conf.enabled -}}
+{{- $enabled = $conf.enabled -}}
+{{- end -}}
+{{- if kindIs "bool" $conf.clientCert.enabled -}}
+{{- $mtls = $conf.clientCert.enabled -}}
+{{- end -}}
+{{- $scheme := ternary "grpcs" "grpc" $enabled -}}
+endpoints:
+{{- range $key := include "cogment-aux.componentKeys" . | fromJsonArray }}
+{{- $values := index $root.Values $key }}
+  {{ $key }}: {{ if index $given $key }}{{ index $given $key | quote }}{{ else if $values.enabled }}{{ printf "%s://%s:%v" $scheme (include "cogment-aux.serviceHost" (dict "root" $root "key" $key)) $values.service.port | quote }}{{ else if eq $key "directory" }}{{ $root.Values.directoryRegistration.endpoint | quote }}{{ else }}""{{ end }}
+{{- end }}
+tls: {{ $enabled }}
+mixed: {{ $mixed }}
+caSecret: {{ $conf.caSecret | default $root.Values.tls.existingSecret | quote }}
+caKey: {{ $conf.caKey | quote }}
+client: {{ and $enabled $mtls }}
+certSecret: {{ $conf.clientCert.existingSecret | default $root.Values.directoryRegistration.tls.clientCert.existingSecret | default $root.Values.tls.existingSecret | quote }}
+certKey: {{ $conf.clientCert.certKey | quote }}
+keyKey: {{ $conf.clientCert.keyKey | quote }}
+{{- end -}}
+
+{{/* The egress rules of every pod's NetworkPolicy: DNS, this release's pods, the extra ones. */}}
+{{- define "cogment-aux.egressRules" -}}
+# DNS.
+- ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+# This release's pods.
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "cogment-aux.selectorLabels" . | nindent 10 }}
+{{- with .Values.networkPolicy.egress.extraEgress }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{/* An integer value as an environment variable string (no float formatting of large numbers). */}}
 {{- define "cogment-aux.int" -}}
 {{- . | int64 | toString | quote -}}
@@ -247,6 +366,18 @@ Checks of the values that a schema cannot express; each failure is one clear mes
 {{- end -}}
 {{- if and .Values.metrics.enabled (eq (int $probes.healthPort) (int .Values.metrics.port)) -}}
 {{- fail (printf "probes.healthPort=%d is also metrics.port: the plaintext health service needs a port of its own" (int $probes.healthPort)) -}}
+{{- end -}}
+{{- if .Values.console.enabled -}}
+{{- $client := include "cogment-aux.consoleClient" . | fromYaml -}}
+{{- if $client.mixed -}}
+{{- fail "console.enabled: this release's services do not all serve the same TLS (tls.enabled, tls.clientCA.enabled and the services' tls.enabled), and the console reaches them all with one TLS setting: serve them alike, or give the console their endpoints (console.endpoints.*) and console.tls.enabled" -}}
+{{- end -}}
+{{- if and $client.tls (not $client.caSecret) -}}
+{{- fail "the console reaches the services over TLS but has no CA to check their certificates with: set console.tls.caSecret (a Secret holding the PEM CA bundle, key console.tls.caKey) or tls.existingSecret" -}}
+{{- end -}}
+{{- if and $client.client (not $client.certSecret) -}}
+{{- fail "the console reaches services that require client certificates but has no certificate: set console.tls.clientCert.existingSecret (a kubernetes.io/tls Secret whose certificate allows client authentication)" -}}
+{{- end -}}
 {{- end -}}
 {{- $reg := .Values.directoryRegistration -}}
 {{- $endpoint := include "cogment-aux.directoryEndpoint" . -}}
