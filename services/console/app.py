@@ -31,7 +31,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from services.console.sources import Unavailable
-from services.console.views import Console, NotFound, version_row
+from services.console.views import Busy, Console, NotFound, version_row
 from shared.client import ClientError
 from shared.endpoints import parse_properties
 from shared.logging import get_logger
@@ -92,6 +92,8 @@ def _handled(
             return _error(request, 400, "Bad request", str(error))
         except Unavailable as error:
             return _error(request, 503, f"The {error.service.replace('_', ' ')} is unavailable", str(error))
+        except Busy as error:
+            return _error(request, 503, "Busy", str(error))
         except Exception:
             log.exception("console page failed", path=request.url.path)
             return _error(request, 500, "Internal error", "The console failed; its log says why.")
@@ -154,9 +156,11 @@ async def trial_curves(request: Request, console: Console) -> Response:
 
     async def events() -> AsyncIterator[str]:
         try:
-            async for snapshot in console.curve_snapshots(trial_id):
-                yield f"data: {json.dumps(snapshot)}\n\n"
-        except Unavailable as error:
+            # Closed with the response: the trial's read stops and its memory is given back.
+            async with contextlib.aclosing(console.curve_snapshots(trial_id)) as snapshots:
+                async for snapshot in snapshots:
+                    yield f"data: {json.dumps(snapshot)}\n\n"
+        except (Unavailable, Busy) as error:
             yield f"event: failure\ndata: {json.dumps(str(error))}\n\n"
         yield "event: end\ndata: {}\n\n"
 

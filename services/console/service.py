@@ -17,10 +17,10 @@ import uvicorn
 from services.console.app import build_app
 from services.console.decode import DecoderError, Decoders
 from services.console.sources import Sources, SourceSettings
-from services.console.views import Console
+from services.console.views import DEFAULT_CURVES_BYTES, MIN_CURVE_BYTES, TRIAL_CURVE_BYTES, Console
 from shared.channel import ClientTls
 from shared.cli import TLS_OPTIONS, tls_of
-from shared.config import Option, parse_bool, parse_options, port_number
+from shared.config import Option, parse_bool, parse_options, port_number, positive_int
 from shared.logging import configure_logging, get_logger, logging_options
 from shared.server import supervisor_notifier
 
@@ -85,6 +85,15 @@ OPTIONS: list[Option] = [
         parse_bool,
     ),
     Option(
+        "curves_bytes",
+        "memory for the reward curves drawn at once, in bytes: each trial page (or trial of a "
+        f"comparison) being drawn takes up to {TRIAL_CURVE_BYTES >> 20} MiB of it; past it, a "
+        "page says to try again in a moment",
+        DEFAULT_CURVES_BYTES,
+        f"{ENV_PREFIX}_CURVES_BYTES",
+        positive_int,
+    ),
+    Option(
         "proto_module",
         "Python modules of the trials' compiled protobuf messages, comma-separated (e.g. "
         "services.demo.api.spec_pb2): the inspector decodes observations and actions with them",
@@ -119,6 +128,7 @@ class ConsoleSettings:
     tls: ClientTls | None = None
     auth_token: str = ""
     allow_anyone_on_the_network: bool = False
+    curves_bytes: int = DEFAULT_CURVES_BYTES
     proto_module: str = ""
     messages: str = ""
 
@@ -137,6 +147,11 @@ class ConsoleSettings:
             return False
 
     def check(self) -> None:
+        if self.curves_bytes < MIN_CURVE_BYTES:
+            raise ConfigurationError(
+                f"--curves_bytes {self.curves_bytes} cannot draw one trial's curves: give at least "
+                f"{MIN_CURVE_BYTES} ({MIN_CURVE_BYTES >> 20} MiB)"
+            )
         if not self.loopback_only and not self.auth_token and not self.allow_anyone_on_the_network:
             raise ConfigurationError(
                 f"--host {self.host} serves other machines: give an access token (--auth_token), or "
@@ -163,7 +178,7 @@ async def serve(settings: ConsoleSettings) -> None:
             settings.tls,
         )
     )
-    app = build_app(Console(sources, decoders), settings.auth_token)
+    app = build_app(Console(sources, decoders, settings.curves_bytes), settings.auth_token)
     # The socket is bound here, so that a port taken is one clear line (uvicorn would exit).
     try:
         sock = socket.create_server((settings.host, settings.port), reuse_port=False)

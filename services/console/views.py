@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import functools
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
@@ -46,8 +46,16 @@ RETURNS_SAMPLE_BUDGET = 20_000
 RETURNS_CACHE_TRIALS = 10_000
 REWARD_FIELDS = [trial_datastore_pb2.STORED_TRIAL_SAMPLE_FIELD_REWARD]
 INTERRUPTED = "interrupted"
-# Samples a curve's reader holds at most before they are added up.
+# Samples a curve's reader holds at most before they are added up (rewards only: a few dozen
+# bytes each).
 FOLLOW_QUEUE = 10_000
+# Memory of one trial's curves while they are drawn (RewardTotals' slots): a 100,000-tick trial
+# of up to 3 actors keeps one slot per tick.
+TRIAL_CURVE_BYTES = 8 << 20
+# What --curves_bytes is by default: the curves of 16 trials drawn at once.
+DEFAULT_CURVES_BYTES = 16 * TRIAL_CURVE_BYTES
+# Less than this left: a trial's curves wait for others to be drawn (Busy).
+MIN_CURVE_BYTES = TRIAL_CURVE_BYTES // 8
 # Seconds between two snapshots of a trial's curves while its samples are read.
 SNAPSHOT_INTERVAL_S = 0.5
 # The trials list adds up the rewards of trials of at most this many samples (longer ones show
@@ -68,6 +76,34 @@ async def _optional(step: Awaitable[T]) -> T | None:
 
 class NotFound(Exception):
     """What the address names does not exist: the page is a 404."""
+
+
+class Busy(Exception):
+    """The console draws as many curves as its memory allows: try again in a moment (a 503)."""
+
+
+class CurveMemory:
+    """The bytes of the curves being drawn, at most `limit`: each trial's takes
+    TRIAL_CURVE_BYTES while its samples are added up."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    @contextlib.contextmanager
+    def reserved(self) -> Iterator[int]:
+        """TRIAL_CURVE_BYTES for one trial's curves (or all that is left, if less), or Busy."""
+        size = min(TRIAL_CURVE_BYTES, self.limit - self.used)
+        if size < MIN_CURVE_BYTES:
+            raise Busy(
+                f"the console is drawing {self.used // TRIAL_CURVE_BYTES} trials' curves already, as "
+                "many as its memory for them allows (--curves_bytes): try again in a moment"
+            )
+        self.used += size
+        try:
+            yield size
+        finally:
+            self.used -= size
 
 
 @dataclass(frozen=True)
@@ -151,9 +187,12 @@ def params_view(params: common_pb2.TrialParams) -> dict[str, object]:
 class Console:
     """The rules of the console's pages, over the services' clients."""
 
-    def __init__(self, sources: Sources, decoders: Decoders) -> None:
+    def __init__(
+        self, sources: Sources, decoders: Decoders, curves_bytes: int = DEFAULT_CURVES_BYTES
+    ) -> None:
         self.sources = sources
         self.decoders = decoders
+        self.curve_memory = CurveMemory(curves_bytes)
         self._returns = _ReturnsCache()
 
     # ---- overview ----
@@ -262,15 +301,16 @@ class Console:
             returns = self._returns.get(row.trial_id)
             if returns is None and row.samples <= min(budget, RETURNS_TRIAL_SAMPLES):
                 budget -= row.samples
-                totals = await self._reward_totals(row.trial_id, len(row.actors), row.samples)
+                totals = RewardTotals(len(row.actors), max(2, row.samples))  # one slot per sample at most
+                await self._add_rewards(totals, row.trial_id, row.samples)
                 returns = returns_by_class(row.actors, totals.returns())
                 if row.state == "ended":
                     self._returns.put(row.trial_id, returns)
             result.append(TrialRow(**{**row.__dict__, "returns": returns or {}}))
         return result
 
-    async def _reward_totals(self, trial_id: str, actor_count: int, samples: int) -> RewardTotals:
-        totals = RewardTotals(actor_count)
+    async def _add_rewards(self, totals: RewardTotals, trial_id: str, samples: int) -> None:
+        """Add the rewards of the trial's first `samples` samples to `totals`."""
         if samples:
 
             async def read(client: DatastoreClient) -> None:
@@ -279,7 +319,6 @@ class Console:
                         totals.add(sample)
 
             await self.sources.datastore(read)
-        return totals
 
     async def trial_info(self, trial_id: str) -> trial_datastore_pb2.StoredTrialInfo:
         infos = await self.sources.datastore(lambda client: client.trial_infos([trial_id]))
@@ -309,12 +348,14 @@ class Console:
         """The curves of the samples the trial has now (a running trial is cut there)."""
         info = await self.trial_info(trial_id)
         actors = actors_of(info)
-        totals = await self._reward_totals(trial_id, len(actors), info.samples_count)
-        return [asdict(curve) for curve in totals.curves([a.name for a in actors], totals.ticks, max_points)]
+        with self.curve_memory.reserved() as budget:
+            totals = RewardTotals.within(len(actors), budget)
+            await self._add_rewards(totals, trial_id, info.samples_count)
+            return [asdict(curve) for curve in totals.curves([a.name for a in actors], max_points)]
 
     async def curve_snapshots(
         self, trial_id: str, max_points: int = MAX_POINTS
-    ) -> AsyncIterator[dict[str, object]]:
+    ) -> AsyncGenerator[dict[str, object], None]:
         """The trial's reward curves as its samples are read (stored ones, then those a running
         trial adds): a snapshot of every actor's downsampled curve each SNAPSHOT_INTERVAL_S while
         samples come, and a last one when the trial's stream ends ({"ticks", "curves",
@@ -322,7 +363,20 @@ class Console:
         info = await self.trial_info(trial_id)
         actors = actors_of(info)
         names = [actor.name for actor in actors]
-        totals = RewardTotals(len(actors))
+        with self.curve_memory.reserved() as budget:
+            async for snapshot in self._follow_curves(trial_id, info, actors, names, budget, max_points):
+                yield snapshot
+
+    async def _follow_curves(
+        self,
+        trial_id: str,
+        info: trial_datastore_pb2.StoredTrialInfo,
+        actors: Sequence[ActorInfo],
+        names: Sequence[str],
+        budget: int,
+        max_points: int,
+    ) -> AsyncGenerator[dict[str, object], None]:
+        totals = RewardTotals.within(len(actors), budget)
         client = await self.sources.client("trial_datastore")
         assert isinstance(client, DatastoreClient)
         call = client.stub.RetrieveSamples(
@@ -345,7 +399,7 @@ class Console:
                 self._returns.put(trial_id, returns)
             return {
                 "ticks": totals.ticks,
-                "curves": [asdict(curve) for curve in totals.curves(names, totals.ticks, max_points)],
+                "curves": [asdict(curve) for curve in totals.curves(names, max_points)],
                 "returns": returns,
                 "state": state,
                 "done": done,

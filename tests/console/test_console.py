@@ -26,7 +26,7 @@ from services.console.app import build_app
 from services.console.decode import DecoderError, Decoders
 from services.console.service import ConfigurationError, ConsoleSettings
 from services.console.sources import Sources, SourceSettings
-from services.console.views import Console
+from services.console.views import MIN_CURVE_BYTES, TRIAL_CURVE_BYTES, Busy, Console
 from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, datalog_pb2, directory_pb2
 from tests.helpers.console_trials import observation, sample
@@ -69,7 +69,12 @@ async def suite(tmp_path: Path) -> AsyncIterator[Suite]:
 
 
 def console_app(
-    suite: Suite, *, decoders: Decoders | None = None, auth_token: str = "", discover: bool = False
+    suite: Suite,
+    *,
+    decoders: Decoders | None = None,
+    auth_token: str = "",
+    discover: bool = False,
+    curves_bytes: int = 16 * TRIAL_CURVE_BYTES,
 ):  # type: ignore[no-untyped-def]
     sources = Sources(
         SourceSettings(
@@ -80,7 +85,7 @@ def console_app(
             None,
         )
     )
-    return build_app(Console(sources, decoders or Decoders()), auth_token), sources
+    return build_app(Console(sources, decoders or Decoders(), curves_bytes), auth_token), sources
 
 
 @pytest.fixture
@@ -234,6 +239,39 @@ async def test_new_versions_and_a_running_trials_ticks_stream(suite: Suite, http
     assert snapshots[-1]["state"] == "ended" and snapshots[-1]["ticks"] == 4
     alice = next(curve for curve in snapshots[-1]["curves"] if curve["actor"] == "alice")
     assert alice["reward_max"] == [1.0, 1.0, 2.0, 0.0]
+
+
+async def test_curves_drawn_at_once_stay_within_their_memory(suite: Suite) -> None:
+    """A trial page's curves hold their share of --curves_bytes while open; past the limit a page
+    is told to try again (a 503, or a failure event on the stream), and a closed page's share
+    comes back."""
+    await record(suite, "ended", ended_trial(3))
+    call = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
+    await send_acknowledged(call, datalog_inputs(trial_params(), [sample(0, rewards={"alice": 1})]))
+    app, sources = console_app(suite, curves_bytes=TRIAL_CURVE_BYTES + MIN_CURVE_BYTES)
+    console: Console = app.state.console
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:
+        live = console.curve_snapshots("live")  # a page left open on a running trial
+        assert (await anext(live))["ticks"] == 1
+        assert console.curve_memory.used == TRIAL_CURVE_BYTES
+        # What is left draws a second trial, in fewer slots: still every tick of this one.
+        compared = await http.get("/compare", params={"trial": "ended"})
+        assert compared.status_code == 200 and '"returns": [-0.5, -1.0, -1.5]' in compared.text
+        second = console.curve_snapshots("ended")
+        assert (await anext(second))["ticks"] == 3
+        assert console.curve_memory.used == TRIAL_CURVE_BYTES + MIN_CURVE_BYTES
+        busy = await http.get("/compare", params={"trial": "ended"})
+        assert busy.status_code == 503 and "--curves_bytes" in busy.text
+        failure = await http.get("/api/trials/ended/curves")
+        assert "event: failure" in failure.text and "try again in a moment" in failure.text
+        with pytest.raises(Busy):
+            await anext(console.curve_snapshots("ended"))
+        await second.aclose()
+        await live.aclose()
+        assert console.curve_memory.used == 0
+        assert (await http.get("/compare", params={"trial": "ended"})).status_code == 200
+    await call.done_writing()
+    await sources.close()
 
 
 async def test_a_service_down_shows_as_down_and_the_others_work(tmp_path: Path) -> None:
