@@ -115,4 +115,7 @@ class EntryRow:
     endpoint: str
     properties: dict[str, str]
     permanent: bool
-    health: str
+    health: str  # healthy, failing, awaiting its first check, not checked
+    registered: str = ""  # when, UTC; empty: unknown (a directory without the listing)
+    last_check: str = ""  # when, UTC; empty: never, or unknown
+    failed_checks: int = 0

@@ -33,7 +33,13 @@ from services.console.sources import Sources, Unavailable
 from services.datastore.client.api import DatastoreClient, state_name
 from services.directory.client.api import DirectoryClient
 from services.model_registry.client.api import hash_hex
-from shared.api import common_pb2, directory_pb2, model_registry_pb2, trial_datastore_pb2
+from shared.api import (
+    common_pb2,
+    directory_entries_pb2,
+    directory_pb2,
+    model_registry_pb2,
+    trial_datastore_pb2,
+)
 from shared.endpoints import SERVICE_TYPES, format_properties, service_type_name
 
 PAGE_SIZE = 50
@@ -62,6 +68,9 @@ SNAPSHOT_INTERVAL_S = 0.5
 # their returns once their page was opened), and of this many samples per page in all.
 RETURNS_TRIAL_SAMPLES = 5_000
 ENVIRONMENT = "environment"
+# Directory entries the directory page lists at most (the newest), and per request.
+MAX_ENTRIES = 10_000
+ENTRIES_PAGE = 1000
 SERVICES = ("directory", "model_registry", "trial_datastore")
 T = TypeVar("T")
 
@@ -107,9 +116,16 @@ class CurveMemory:
 
 
 @dataclass(frozen=True)
+class Entries:
+    rows: list[EntryRow]
+    complete: bool  # False: more than MAX_ENTRIES, the newest shown
+    with_health: bool  # False: a directory without the listing, its healthy entries by inquiry
+
+
+@dataclass(frozen=True)
 class Overview:
     services: list[ServiceState]
-    entries: int | None
+    entries: Entries | None
     models: int | None
     trials_by_state: dict[str, int] | None
 
@@ -204,7 +220,7 @@ class Console:
         )
         return Overview(
             list(states),
-            None if entries is None else len(entries),
+            entries,
             None if models is None else len(models),
             trials,
         )
@@ -514,22 +530,40 @@ class Console:
 
     # ---- directory ----
 
-    async def entries(self) -> list[EntryRow]:
-        """Every entry the console's token sees, by type; never a secret."""
+    async def entries(self) -> Entries:
+        """Every entry the console's token sees with its health, the newest MAX_ENTRIES at most;
+        from a Cogment 2.x directory (no listing), the healthy ones, found by inquiries. Never a
+        secret."""
+        rows: list[EntryRow] = []
+        handle = ""
+        while len(rows) < MAX_ENTRIES:
+            page = min(ENTRIES_PAGE, MAX_ENTRIES - len(rows))
+            reply = await self.sources.directory(
+                functools.partial(DirectoryClient.list_entries, count=page, handle=handle)
+            )
+            if reply is None:
+                return Entries(await self._inquired_entries(), complete=True, with_health=False)
+            rows += [listed_entry_row(entry) for entry in reply.entries]
+            handle = reply.next_handle
+            if not handle:
+                return Entries(rows, complete=True, with_health=True)
+        return Entries(rows, complete=False, with_health=True)
+
+    async def _inquired_entries(self) -> list[EntryRow]:
+        """The healthy entries, by type (what inquiries answer)."""
         rows: dict[int, EntryRow] = {}
         for type_value in SERVICE_TYPES.values():
             request = directory_pb2.InquireRequest(details=directory_pb2.ServiceDetails(type=type_value))
             found = await self.sources.directory(functools.partial(DirectoryClient.inquire, request=request))
             for data in found:
-                rows[data.service_id] = entry_row(data)
+                rows[data.service_id] = entry_row(data, "healthy")  # inquiries answer healthy entries only
         return sorted(rows.values(), key=lambda row: row.service_id)
 
 
 def version_row(info: model_registry_pb2.ModelVersionInfo) -> VersionRow:
-    created = datetime.datetime.fromtimestamp(info.creation_timestamp / 1e9, datetime.timezone.utc)
     return VersionRow(
         info.version_number,
-        created.strftime("%Y-%m-%d %H:%M:%S UTC"),
+        utc_time(info.creation_timestamp),
         info.data_size,
         hash_hex(info.data_hash),
         info.archived,
@@ -537,7 +571,13 @@ def version_row(info: model_registry_pb2.ModelVersionInfo) -> VersionRow:
     )
 
 
-def entry_row(data: directory_pb2.FullServiceData) -> EntryRow:
+def entry_row(
+    data: directory_pb2.FullServiceData,
+    health: str,
+    registered: str = "",
+    last_check: str = "",
+    failed_checks: int = 0,
+) -> EntryRow:
     endpoint = data.endpoint
     protocol = directory_pb2.ServiceEndpoint.Protocol.Name(endpoint.protocol).lower()
     return EntryRow(
@@ -546,5 +586,31 @@ def entry_row(data: directory_pb2.FullServiceData) -> EntryRow:
         f"{protocol}://{endpoint.host}:{endpoint.port}",
         dict(data.details.properties),
         data.permanent,
-        "healthy",  # inquiries list only the entries whose last check passed
+        health,
+        registered,
+        last_check,
+        failed_checks,
     )
+
+
+HEALTH_NAMES = {
+    directory_entries_pb2.ENTRY_HEALTH_NOT_CHECKED: "not checked",
+    directory_entries_pb2.ENTRY_HEALTH_AWAITING_FIRST_CHECK: "awaiting its first check",
+    directory_entries_pb2.ENTRY_HEALTH_HEALTHY: "healthy",
+    directory_entries_pb2.ENTRY_HEALTH_FAILING: "failing",
+}
+
+
+def listed_entry_row(entry: directory_entries_pb2.DirectoryEntry) -> EntryRow:
+    return entry_row(
+        entry.data,
+        HEALTH_NAMES.get(entry.health, "unknown"),
+        registered=utc_time(entry.registered_at),
+        last_check=utc_time(entry.last_check_at) if entry.last_check_at else "",
+        failed_checks=entry.failed_checks,
+    )
+
+
+def utc_time(nanoseconds: int) -> str:
+    moment = datetime.datetime.fromtimestamp(nanoseconds / 1e9, datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")

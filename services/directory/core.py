@@ -200,6 +200,13 @@ class Directory:
                 return
         inquiries_total.inc(self._source_name(), "none")
 
+    async def list_entries(self, token: str, rows: int, before: tuple[int, int] | None) -> list[Entry]:
+        """Up to `rows` entries visible with `token`, healthy or not (inquiries answer only the
+        healthy ones), most recently registered first, registered before `before`
+        (registered_at, service_id; None: from the newest). Read from the database: a listing
+        is rare, and the in-memory index is shaped for inquiries."""
+        return await self._store.list_entries(self._token_digest(token), rows, before)
+
     def _source_name(self, source: EntrySource | None = None) -> str:
         """The `source` label of an inquiry answered from `source` (None: where one would be)."""
         if source is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.api import directory_pb2
+from shared.api import directory_entries_pb2, directory_pb2
 
 GRPC = directory_pb2.ServiceEndpoint.GRPC
 GRPC_SSL = directory_pb2.ServiceEndpoint.GRPC_SSL
@@ -59,6 +59,12 @@ class Registration:
         return not self.permanent and self.endpoint.protocol in (GRPC, GRPC_SSL)
 
 
+NOT_CHECKED = directory_entries_pb2.ENTRY_HEALTH_NOT_CHECKED
+AWAITING_FIRST_CHECK = directory_entries_pb2.ENTRY_HEALTH_AWAITING_FIRST_CHECK
+HEALTHY = directory_entries_pb2.ENTRY_HEALTH_HEALTHY
+FAILING = directory_entries_pb2.ENTRY_HEALTH_FAILING
+
+
 @dataclass
 class Entry:
     """A stored registration, as inquiries return it."""
@@ -72,6 +78,16 @@ class Entry:
     load: int = 0
     failed_checks: int = 0
     last_check_at: int = 0
+
+    @property
+    def health(self) -> int:
+        """Where its health checks stand (an EntryHealth): only HEALTHY and NOT_CHECKED entries
+        are answered to inquiries."""
+        if self.permanent or self.endpoint.protocol not in (GRPC, GRPC_SSL):
+            return NOT_CHECKED
+        if self.failed_checks:
+            return FAILING
+        return HEALTHY if self.last_check_at else AWAITING_FIRST_CHECK
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from services.directory.index import FollowedIndex
 from services.directory.secret_key import directory_key
 from services.directory.servicer import add_directory_servicer
 from services.directory.store import DirectoryStore
-from shared.api import directory_pb2
+from shared.api import directory_entries_pb2, directory_pb2
 from shared.config import Option, non_negative_float, non_negative_int, parse_bool, positive_float
 from shared.endpoints import SERVICE_TYPES
 from shared.logging import get_logger
@@ -137,7 +137,10 @@ class DirectoryService(Service[DirectorySettings]):
 
     @property
     def grpc_service_names(self) -> Sequence[str]:
-        return [directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"].full_name]
+        return [
+            directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"].full_name,
+            directory_entries_pb2.DESCRIPTOR.services_by_name["DirectoryEntriesSP"].full_name,
+        ]
 
     async def start(self, runtime: ServiceRuntime) -> None:
         log.info("opening database", database=self.database.display_url)

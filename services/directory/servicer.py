@@ -1,7 +1,8 @@
 """The directory's gRPC layer: validates requests, translates them for the core, and answers in
 the reference's wire format (FAILED replies, not gRPC errors, on Register/Deregister). Inquire
 is given its request's bytes and yields replies it encoded (`add_directory_servicer`): a repeated
-inquiry is answered from the bytes of its last answer while nothing it depends on changed."""
+inquiry is answered from the bytes of its last answer while nothing it depends on changed.
+Beside it, the project's own DirectoryEntriesSP lists entries with their health."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from services.directory.model import (
     Inquiry,
     Registration,
 )
-from shared.api import directory_pb2
+from shared.api import directory_entries_pb2, directory_pb2
 from shared.errors import InvalidArgument, ServiceError, classify
 from shared.handlers import add_servicer, parse_request, pre_encoded
 from shared.logging import get_logger
@@ -45,6 +46,9 @@ ANSWERS_REMEMBERED = 16_384
 ANSWERS_BYTES = 16 * 1024 * 1024
 REMEMBERED_REQUEST_BYTES = 4096
 REMEMBERED_ANSWER_BYTES = 16 * 1024
+# Entries per ListEntries page: by default, and at most.
+LIST_DEFAULT_COUNT = 100
+LIST_MAX_COUNT = 1000
 ANSWER_OVERHEAD_BYTES = 400
 REPLY_OVERHEAD_BYTES = 48
 
@@ -117,6 +121,31 @@ def full_service_data(entry: Entry) -> directory_pb2.FullServiceData:
     )
 
 
+def listing_from_request(
+    request: directory_entries_pb2.ListEntriesRequest,
+) -> tuple[int, tuple[int, int] | None]:
+    """(rows, the position its handle names) of a ListEntries request."""
+    if request.count > LIST_MAX_COUNT:
+        raise InvalidArgument(f"count [{request.count}] is over {LIST_MAX_COUNT}")
+    if not request.handle:
+        return request.count or LIST_DEFAULT_COUNT, None
+    registered_at, _, service_id = request.handle.partition(":")
+    if not (registered_at.isdecimal() and service_id.isdecimal()) or len(request.handle) > 40:
+        raise InvalidArgument(f"Invalid handle [{request.handle[:64]}]: give the next_handle of a reply")
+    return request.count or LIST_DEFAULT_COUNT, (int(registered_at), int(service_id))
+
+
+def directory_entry(entry: Entry) -> directory_entries_pb2.DirectoryEntry:
+    return directory_entries_pb2.DirectoryEntry(
+        data=full_service_data(entry),
+        registered_at=entry.registered_at,
+        health=entry.health,  # type: ignore[arg-type]
+        failed_checks=entry.failed_checks,
+        last_check_at=entry.last_check_at,
+        load=entry.load,
+    )
+
+
 def _refusal(error: Exception, unexpected: str, action: str) -> str:
     """The `error_msg` of the FAILED reply to a request that failed with `error`: what the client
     got wrong, or `unexpected [error type]` for a bug (logged). A database that cannot be reached
@@ -138,6 +167,30 @@ def add_directory_servicer(server: grpc.aio.Server, directory: Directory, runtim
         response_serializers={"Inquire": pre_encoded},
         raw_requests=["Inquire"],
     )
+    add_servicer(
+        server,
+        directory_entries_pb2.DESCRIPTOR.services_by_name["DirectoryEntriesSP"],
+        DirectoryEntriesServicer(directory),
+    )
+
+
+class DirectoryEntriesServicer:
+    """The project's own extension (`cogment_aux.api.DirectoryEntriesSP`): every entry a token
+    sees with its health, those inquiries do not answer included (see `directory_entries.proto`)."""
+
+    def __init__(self, directory: Directory) -> None:
+        self.directory = directory
+
+    async def ListEntries(
+        self, request: directory_entries_pb2.ListEntriesRequest, context: Any
+    ) -> directory_entries_pb2.ListEntriesReply:
+        rows, before = listing_from_request(request)
+        entries = await self.directory.list_entries(authentication_token(context), rows, before)
+        last = entries[-1] if len(entries) == rows else None
+        return directory_entries_pb2.ListEntriesReply(
+            entries=[directory_entry(entry) for entry in entries],
+            next_handle=f"{last.registered_at}:{last.service_id}" if last else "",
+        )
 
 
 class EncodedAnswers:

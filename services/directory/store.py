@@ -214,6 +214,21 @@ def _by_id_statement() -> Select[Any]:
 
 
 @functools.cache
+def _listing_statement() -> Select[Any]:
+    """Every entry of a token, healthy or not, most recently registered first, after a position."""
+    position = tuple_(services.c.registered_at, services.c.service_id)
+    return (
+        select(*_ENTRY_COLUMNS)
+        .where(
+            services.c.token_digest == bindparam("token"),
+            position < tuple_(bindparam("before_at"), bindparam("before_id")),
+        )
+        .order_by(services.c.registered_at.desc(), services.c.service_id.desc())
+        .limit(bindparam("rows", type_=Integer))
+    )
+
+
+@functools.cache
 def _index_rows_statement() -> Select[Any]:
     return select(*_INDEX_COLUMNS).where(services.c.service_id.in_(bindparam("ids", expanding=True)))
 
@@ -591,6 +606,15 @@ class DirectoryStore:
                 rows=max(1, min(PAGE_MAX_ROWS, PAGE_BYTES * len(rows) // max(page_bytes, 1))),
             )
             del rows, last  # one page held at a time
+
+    async def list_entries(
+        self, token_digest: str, rows: int, before: tuple[int, int] | None = None
+    ) -> list[Entry]:
+        """Up to `rows` entries of the token, healthy or not, most recently registered first,
+        registered before `before` (registered_at, service_id); None: from the newest."""
+        before_at, before_id = before or (_AFTER_EVERYTHING, _AFTER_EVERYTHING)
+        parameters = {"token": token_digest, "before_at": before_at, "before_id": before_id, "rows": rows}
+        return [_entry(row) for row in await self.db.fetch(_listing_statement(), parameters)]
 
     async def index_rows(self, service_ids: Sequence[int]) -> list[IndexRow]:
         """The entries of these ids that exist, as the in-memory index keeps them."""

@@ -27,6 +27,7 @@ from services.console.decode import DecoderError, Decoders
 from services.console.service import ConfigurationError, ConsoleSettings
 from services.console.sources import Sources, SourceSettings
 from services.console.views import MIN_CURVE_BYTES, TRIAL_CURVE_BYTES, Busy, Console
+from services.directory.client.api import DirectoryClient
 from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, datalog_pb2, directory_pb2
 from tests.helpers.console_trials import observation, sample
@@ -338,6 +339,41 @@ async def test_endpoints_not_given_are_discovered_through_the_directory(suite: S
         directory = (await http.get("/directory")).text
         assert directory.count("<tr data-entry=") == 2 and "secret" not in directory.lower()
     await sources.close()
+
+
+async def test_the_directory_page_shows_failing_entries_too(
+    suite: Suite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def registration(port: int, permanent: bool) -> directory_pb2.RegisterRequest:
+        return directory_pb2.RegisterRequest(
+            endpoint=directory_pb2.ServiceEndpoint(
+                protocol=directory_pb2.ServiceEndpoint.GRPC, host="127.0.0.1", port=port
+            ),
+            details=directory_pb2.ServiceDetails(type=directory_pb2.ACTOR_SERVICE),
+            permanent=permanent,
+        )
+
+    replies = [
+        reply
+        async for reply in suite.directory.stub.Register(
+            iter([registration(_closed_port(), False), registration(1, True)])
+        )
+    ]
+    failing, permanent = (reply.service_id for reply in replies)
+    page = (await http.get("/directory")).text
+    assert re.search(rf'data-entry="{failing}" data-health="failing"', page)
+    assert re.search(rf'data-entry="{permanent}" data-health="not checked"', page)
+    assert " in a row)" in page and "last check" in page
+    assert text_of((await http.get("/")).text, "entries-count") == "2"
+    # A Cogment 2.x directory lists nothing but what inquiries answer: the page says so.
+    monkeypatch.setattr(DirectoryClient, "list_entries", _not_served)
+    page = (await http.get("/directory")).text
+    assert f'data-entry="{failing}"' not in page and f'data-entry="{permanent}" data-health="healthy"' in page
+    assert "this directory does not list the others" in page
+
+
+async def _not_served(*_args: object, **_kwargs: object) -> None:
+    return None
 
 
 async def test_the_access_token(suite: Suite) -> None:

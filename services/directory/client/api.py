@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-from shared.api import directory_pb2, directory_pb2_grpc
+from shared.api import directory_entries_pb2, directory_entries_pb2_grpc, directory_pb2, directory_pb2_grpc
 from shared.channel import ClientTls
 from shared.client import DEFAULT_TIMEOUT_S, ClientError, ServiceClient
 from shared.endpoints import GrpcEndpoint
@@ -55,6 +55,7 @@ class DirectoryClient(ServiceClient):
         )
         self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
         self._stub = directory_pb2_grpc.DirectorySPStub(self.channel)
+        self._entries_stub = directory_entries_pb2_grpc.DirectoryEntriesSPStub(self.channel)
 
     async def register(self, request: directory_pb2.RegisterRequest) -> directory_pb2.RegisterReply:
         replies: list[directory_pb2.RegisterReply] = [
@@ -87,6 +88,25 @@ class DirectoryClient(ServiceClient):
                 request, metadata=self._metadata, timeout=self.timeout_s, wait_for_ready=wait_for_ready
             )
         ]
+
+    async def list_entries(
+        self, count: int = 0, handle: str = ""
+    ) -> directory_entries_pb2.ListEntriesReply | None:
+        """A page of the entries the token sees with their health, healthy or not, newest first,
+        from `handle` (a previous page's `next_handle`). None when the directory does not serve
+        `cogment_aux.api.DirectoryEntriesSP` (the reference's does not): inquiries then list the
+        healthy entries alone."""
+        try:
+            reply: directory_entries_pb2.ListEntriesReply = await self._entries_stub.ListEntries(
+                directory_entries_pb2.ListEntriesRequest(count=count, handle=handle),
+                metadata=self._metadata,
+                timeout=self.timeout_s,
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        return reply
 
     async def wait_for_ready(self) -> None:
         """Inquire for service id 0 (which never exists, answered at once) as soon as the
