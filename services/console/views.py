@@ -68,6 +68,9 @@ SNAPSHOT_INTERVAL_S = 0.5
 # their returns once their page was opened), and of this many samples per page in all.
 RETURNS_TRIAL_SAMPLES = 5_000
 ENVIRONMENT = "environment"
+# Samples looked through on each side of where the binary search puts a tick (late samples of
+# earlier ticks may sit among its own).
+TICK_SEARCH_WINDOW = 64
 # Directory entries the directory page lists at most (the newest), and per request.
 MAX_ENTRIES = 10_000
 ENTRIES_PAGE = 1000
@@ -452,21 +455,58 @@ class Console:
 
     async def tick(self, trial_id: str, tick: int) -> TickView:
         """The trial's sample of `tick` (its first: late rewards of that tick come in later
-        samples), read from the start of the trial."""
+        samples)."""
         info = await self.trial_info(trial_id)
         actors = actors_of(info)
+        sample = None
+        if info.samples_count:
+            sample = await self._sample_of_tick(trial_id, tick, info.samples_count)
+        if sample is None:
+            raise NotFound(f"trial [{trial_id}] has no tick [{tick}]")
+        return self.tick_view(sample, actors)
+
+    async def _sample_of_tick(
+        self, trial_id: str, tick: int, samples: int
+    ) -> trial_datastore_pb2.StoredTrialSample | None:
+        """The first sample of `tick`. Samples are stored in arrival order, their ticks going up
+        but for late ones: a binary search by position (the datastore's own TrialSamplesSP)
+        finds where the tick begins, and the samples around it are looked through; should the
+        tick not be there (late samples misled the search), the trial is read from its start,
+        as it is from a datastore without that service."""
+
+        async def at(first: int, count: int) -> list[trial_datastore_pb2.StoredTrialSample] | None:
+            reply = await self.sources.datastore(lambda client: client.sample_range(trial_id, first, count))
+            return None if reply is None else list(reply.samples)
+
+        low, high = 0, samples  # the first position whose tick is at least `tick` is in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            found = await at(middle, 1)
+            if found is None:
+                return await self._scanned_sample_of_tick(trial_id, tick, samples)
+            if not found or found[0].tick_id >= tick:
+                high = middle
+            else:
+                low = middle + 1
+        window = await at(max(0, low - TICK_SEARCH_WINDOW), 2 * TICK_SEARCH_WINDOW)
+        for sample in window or []:
+            if sample.tick_id == tick:
+                return sample
+        return await self._scanned_sample_of_tick(trial_id, tick, samples)
+
+    async def _scanned_sample_of_tick(
+        self, trial_id: str, tick: int, samples: int
+    ) -> trial_datastore_pb2.StoredTrialSample | None:
+        """The first sample of `tick`, reading the trial from its start."""
 
         async def find(client: DatastoreClient) -> trial_datastore_pb2.StoredTrialSample | None:
-            async with contextlib.aclosing(client.samples({trial_id: info.samples_count})) as stream:
+            async with contextlib.aclosing(client.samples({trial_id: samples})) as stream:
                 async for sample in stream:
                     if sample.tick_id == tick:
                         return sample
             return None
 
-        sample = await self.sources.datastore(find) if info.samples_count else None
-        if sample is None:
-            raise NotFound(f"trial [{trial_id}] has no tick [{tick}]")
-        return self.tick_view(sample, actors)
+        return await self.sources.datastore(find)
 
     def tick_view(
         self, sample: trial_datastore_pb2.StoredTrialSample, actors: Sequence[ActorInfo]

@@ -56,6 +56,11 @@ KNOWN_STATES = frozenset(common_pb2.TrialState.values())
 # The ids of one status request, together: their statuses (an id and about 30 bytes each, for
 # MAX_LISTED_ITEMS ids at most) then fit the 4 MiB reply clients accept.
 MAX_STATUS_IDS_BYTES = 3 * MiB
+# A range of samples (RetrieveSampleRange): rows by default and at most, and its bytes, past
+# which it ends early (one sample at least): it fits the 4 MiB reply clients accept.
+RANGE_DEFAULT_COUNT = 100
+RANGE_MAX_COUNT = 1000
+RANGE_MAX_BYTES = 2 * MiB
 
 log = get_logger("datastore.core")
 R = TypeVar("R")
@@ -345,6 +350,35 @@ class TrialDatastore:
         wanted_ids = list(dict.fromkeys(trial_ids))
         found = await self.store.trial_statuses(wanted_ids)
         return [found[trial_id] for trial_id in wanted_ids if trial_id in found]
+
+    async def sample_range(self, trial_id: str, first: int, count: int) -> tuple[list[bytes], int]:
+        """Serialized StoredTrialSamples of the trial from position `first` on (`count` at most, 0:
+        RANGE_DEFAULT_COUNT; RANGE_MAX_BYTES together unless one alone is larger), and how many
+        samples it has."""
+        if count > RANGE_MAX_COUNT:
+            raise InvalidArgument(f"count [{count}] is over {RANGE_MAX_COUNT}")
+        if first > MAX_INT64_POSITION:
+            raise InvalidArgument(f"first [{first}] is past any trial's samples")
+        found = await self.ride_out(
+            functools.partial(self.store.get_trials, [checked_id(trial_id, "trial id")])
+        )
+        if trial_id not in found:
+            raise NotFound(f'no trial "{quoted(trial_id)}" found')
+        seq = found[trial_id].trial_seq
+        rows = await self.ride_out(
+            functools.partial(self.store.read_samples, seq, first, count or RANGE_DEFAULT_COUNT)
+        )
+        progress = await self.ride_out(functools.partial(self.store.progress, seq))
+        if progress is None:
+            raise NotFound(f'trial "{quoted(trial_id)}" was deleted')
+        kept: list[bytes] = []
+        size = 0
+        for data in rows:
+            size += len(data)
+            if kept and size > RANGE_MAX_BYTES:
+                break
+            kept.append(data)
+        return kept, max(progress.samples_count, first + len(kept))
 
     # ---- ingestion ----
 

@@ -19,7 +19,7 @@ from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
 from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
 from services.datastore.servicer import add_datastore_servicers
 from services.datastore.store import DatastoreStore
-from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2, trial_status_pb2
+from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2, trial_samples_pb2, trial_status_pb2
 from shared.config import Option, positive_float, positive_int, up_to_a_second
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
@@ -118,6 +118,7 @@ class DatastoreService(Service[DatastoreSettings]):
             datalog_pb2.DESCRIPTOR.services_by_name["DatalogSP"].full_name,
             datalog_pb2.DESCRIPTOR.services_by_name["LogExporterSP"].full_name,
             trial_status_pb2.DESCRIPTOR.services_by_name["TrialStatusSP"].full_name,
+            trial_samples_pb2.DESCRIPTOR.services_by_name["TrialSamplesSP"].full_name,
         ]
 
     async def start(self, runtime: ServiceRuntime) -> None:

@@ -19,7 +19,7 @@ import grpc
 from services.datastore.core import Ingestion, TrialDatastore
 from services.datastore.metrics import DATALOG_API, LOG_EXPORTER_API
 from services.datastore.model import TrialRecord, TrialStatus
-from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2, trial_status_pb2
+from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2, trial_samples_pb2, trial_status_pb2
 from shared.errors import InvalidArgument
 from shared.handlers import add_servicer, field_one_frame, pre_encoded
 from shared.runtime import ServiceRuntime, VersionStatusMixin
@@ -101,6 +101,11 @@ def add_datastore_servicers(
         trial_status_pb2.DESCRIPTOR.services_by_name["TrialStatusSP"],
         TrialStatusServicer(datastore),
     )
+    add_servicer(
+        server,
+        trial_samples_pb2.DESCRIPTOR.services_by_name["TrialSamplesSP"],
+        TrialSamplesServicer(datastore),
+    )
     ingestion = DatalogIngestion(datastore)
     add_servicer(
         server, datalog_pb2.DESCRIPTOR.services_by_name["DatalogSP"], DatalogServicer(ingestion, runtime)
@@ -179,6 +184,23 @@ class TrialStatusServicer:
         statuses = await self.datastore.trial_statuses(list(request.trial_ids))
         return trial_status_pb2.RetrieveTrialStatusesReply(
             statuses=[trial_status_message(status) for status in statuses]
+        )
+
+
+class TrialSamplesServicer:
+    """The project's own extension (`cogment_aux.api.TrialSamplesSP`): a range of a trial's
+    samples by position, for tools that show one tick of a long trial (see `trial_samples.proto`)."""
+
+    def __init__(self, datastore: TrialDatastore) -> None:
+        self.datastore = datastore
+
+    async def RetrieveSampleRange(
+        self, request: trial_samples_pb2.RetrieveSampleRangeRequest, context: Any
+    ) -> trial_samples_pb2.RetrieveSampleRangeReply:
+        samples, count = await self.datastore.sample_range(request.trial_id, request.first, request.count)
+        return trial_samples_pb2.RetrieveSampleRangeReply(
+            samples=[trial_datastore_pb2.StoredTrialSample.FromString(data) for data in samples],
+            samples_count=count,
         )
 
 

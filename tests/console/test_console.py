@@ -27,6 +27,7 @@ from services.console.decode import DecoderError, Decoders
 from services.console.service import ConfigurationError, ConsoleSettings
 from services.console.sources import Sources, SourceSettings
 from services.console.views import MIN_CURVE_BYTES, TRIAL_CURVE_BYTES, Busy, Console
+from services.datastore.client.api import DatastoreClient
 from services.directory.client.api import DirectoryClient
 from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, datalog_pb2, directory_pb2
@@ -374,6 +375,33 @@ async def test_the_directory_page_shows_failing_entries_too(
 
 async def _not_served(*_args: object, **_kwargs: object) -> None:
     return None
+
+
+async def test_the_inspector_finds_each_tick_among_late_samples(
+    suite: Suite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binary search by position (TrialSamplesSP) finds the first sample of a tick as reading
+    the trial from its start does, late samples of earlier ticks in between."""
+    samples = ended_trial(300)
+    for position, tick in [(250, 100), (200, 199), (150, 2), (151, 2), (100, 99), (20, 0)]:
+        late = sample(tick, rewards={"alice": 5.0})
+        late.info.out_of_sync = True
+        samples.insert(position, late)
+    await record(suite, "late", samples)
+    app, sources = console_app(suite)
+    console: Console = app.state.console
+    for tick in sorted({*range(0, 300, 13), 0, 2, 99, 100, 101, 199, 200, 299}):
+        searched = await console._sample_of_tick("late", tick, len(samples))
+        assert searched == await console._scanned_sample_of_tick("late", tick, len(samples)), tick
+        assert searched is not None and searched.timestamp == 1000 + tick  # in order, not late
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:
+        view = (await http.get("/api/trials/late/ticks/299")).json()
+        assert (view["tick"], view["state"]) == (299, "ended")
+        assert (await http.get("/api/trials/late/ticks/300")).status_code == 404
+        # A datastore without the ranges (a Cogment 2.x one): read from the start, the same tick.
+        monkeypatch.setattr(DatastoreClient, "sample_range", _not_served)
+        assert (await http.get("/api/trials/late/ticks/299")).json() == view
+    await sources.close()
 
 
 async def test_the_access_token(suite: Suite) -> None:

@@ -23,6 +23,8 @@ from shared.api import (
     common_pb2,
     trial_datastore_pb2,
     trial_datastore_pb2_grpc,
+    trial_samples_pb2,
+    trial_samples_pb2_grpc,
     trial_status_pb2,
     trial_status_pb2_grpc,
 )
@@ -76,6 +78,7 @@ class DatastoreClient(ServiceClient):
         self.stub = trial_datastore_pb2_grpc.TrialDatastoreSPStub(self.channel)
         # The project's own extension (absent from the reference datastore).
         self.status_stub = trial_status_pb2_grpc.TrialStatusSPStub(self.channel)
+        self.samples_stub = trial_samples_pb2_grpc.TrialSamplesSPStub(self.channel)
 
     async def trial_infos(self, trial_ids: Sequence[str]) -> dict[str, trial_datastore_pb2.StoredTrialInfo]:
         """The stored trials among `trial_ids`, by id."""
@@ -109,6 +112,24 @@ class DatastoreClient(ServiceClient):
                 raise
             statuses.update((status.trial_id, status) for status in reply.statuses)
         return statuses
+
+    async def sample_range(
+        self, trial_id: str, first: int, count: int = 0
+    ) -> trial_samples_pb2.RetrieveSampleRangeReply | None:
+        """The trial's stored samples from position `first` on (in the order `samples` replays
+        them; `count` at most, 0: 100, fewer past 2 MiB), and how many it has. None when the
+        datastore does not serve `cogment_aux.api.TrialSamplesSP` (the reference's does not):
+        `samples` from the start is then the only way."""
+        try:
+            reply: trial_samples_pb2.RetrieveSampleRangeReply = await self.samples_stub.RetrieveSampleRange(
+                trial_samples_pb2.RetrieveSampleRangeRequest(trial_id=trial_id, first=first, count=count),
+                timeout=self.timeout_s,
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        return reply
 
     async def interrupted_trials(self, trial_ids: Sequence[str]) -> set[str]:
         """Those of `trial_ids` whose ingestion stopped before they ended: they will not end by

@@ -1,0 +1,92 @@
+"""The project's own `cogment_aux.api.TrialSamplesSP`, served beside TrialDatastoreSP: a range of a
+trial's samples by position, as RetrieveSamples replays them, over real gRPC on SQLite and on
+PostgreSQL; bounded in count and bytes; bad requests say what is wrong."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.datastore.client.api import DatastoreClient
+from services.datastore.core import RANGE_MAX_BYTES
+from shared.api import trial_datastore_pb2, trial_samples_pb2, trial_samples_pb2_grpc
+from tests.helpers.datastore import datalog_sample, full_trial, run_datalog
+from tests.helpers.fake_services import FakeCogmentService
+from tests.helpers.running import RunningDatastore
+
+
+async def sample_range(
+    datastore: RunningDatastore, trial_id: str, first: int, count: int = 0
+) -> trial_samples_pb2.RetrieveSampleRangeReply:
+    stub = trial_samples_pb2_grpc.TrialSamplesSPStub(datastore.channel)
+    reply: trial_samples_pb2.RetrieveSampleRangeReply = await stub.RetrieveSampleRange(
+        trial_samples_pb2.RetrieveSampleRangeRequest(trial_id=trial_id, first=first, count=count), timeout=10
+    )
+    return reply
+
+
+async def replayed(datastore: RunningDatastore, trial_id: str) -> list[trial_datastore_pb2.StoredTrialSample]:
+    call = datastore.stub.RetrieveSamples(trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=[trial_id]))
+    return [reply.trial_sample async for reply in call]
+
+
+async def test_ranges_are_what_retrieve_samples_replays(datastore: RunningDatastore) -> None:
+    # 250 ticks, with late samples of earlier ticks among them.
+    samples = full_trial(250)
+    for late_after, tick in [(40, 12), (41, 12), (200, 3)]:
+        samples.insert(late_after, datalog_sample(tick, out_of_sync=True, reward=1.0))
+    await run_datalog(datastore, "long", samples)
+    everything = await replayed(datastore, "long")
+    assert len(everything) == 253
+
+    reply = await sample_range(datastore, "long", 0)
+    assert reply.samples_count == 253 and list(reply.samples) == everything[:100]  # 100 by default
+    reply = await sample_range(datastore, "long", 39, 4)
+    assert list(reply.samples) == everything[39:43]
+    assert [sample.tick_id for sample in reply.samples] == [39, 12, 12, 40]
+    reply = await sample_range(datastore, "long", 200, 1000)
+    assert list(reply.samples) == everything[200:]
+    past = await sample_range(datastore, "long", 253)
+    assert list(past.samples) == [] and past.samples_count == 253
+    async with DatastoreClient(f"grpc://127.0.0.1:{datastore.service.port}") as client:
+        listed = await client.sample_range("long", 252, 5)
+        assert listed is not None and list(listed.samples) == everything[252:]
+
+
+async def test_a_range_ends_early_past_its_bytes_but_never_empty(datastore: RunningDatastore) -> None:
+    big = [datalog_sample(tick) for tick in range(4)]
+    for sample in big:
+        sample.observations.observations[0] = bytes(RANGE_MAX_BYTES // 2 + 1)
+    await run_datalog(datastore, "big", big)
+    first = await sample_range(datastore, "big", 0, 4)
+    assert [sample.tick_id for sample in first.samples] == [0]  # a second would pass 2 MiB
+    assert [sample.tick_id for sample in (await sample_range(datastore, "big", 3, 4)).samples] == [3]
+
+
+@pytest.mark.parametrize(
+    ("trial_id", "first", "count", "code", "message"),
+    [
+        ("nope", 0, 0, grpc.StatusCode.NOT_FOUND, 'no trial "nope" found'),
+        ("t", 0, 1001, grpc.StatusCode.INVALID_ARGUMENT, "count [1001] is over 1000"),
+        ("t", 2**63, 1, grpc.StatusCode.INVALID_ARGUMENT, "is past any trial's samples"),
+        ("", 0, 1, grpc.StatusCode.INVALID_ARGUMENT, "trial id"),
+    ],
+)
+async def test_bad_ranges_say_what_is_wrong(
+    datastore: RunningDatastore, trial_id: str, first: int, count: int, code: grpc.StatusCode, message: str
+) -> None:
+    await run_datalog(datastore, "t", full_trial(2))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await sample_range(datastore, trial_id, first, count)
+    assert raised.value.code() == code
+    assert message in (raised.value.details() or "")
+
+
+async def test_the_client_tells_a_datastore_without_ranges() -> None:
+    """A Cogment 2.x datastore (here: a server of another service) does not serve it: None."""
+    other = await FakeCogmentService("TrialDatastoreSP").start()
+    try:
+        async with DatastoreClient(f"grpc://127.0.0.1:{other.port}") as client:
+            assert await client.sample_range("t", 0) is None
+    finally:
+        await other.stop()
