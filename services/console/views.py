@@ -229,6 +229,15 @@ class Console:
         )
 
     async def _trial_counts(self) -> dict[str, int]:
+        """How many trials are in each state (interrupted ones as such): counted by the
+        datastore, or, by one without the count (a Cogment 2.x one), by listing every trial."""
+        counted = await self.sources.datastore(lambda client: client.trial_counts())
+        if counted is not None:
+            by_state: dict[str, int] = {}
+            for count in counted:
+                state = INTERRUPTED if count.interrupted else state_name(count.last_state).lower()
+                by_state[state] = by_state.get(state, 0) + count.trials
+            return by_state
         counts: dict[str, int] = {}
         handle = ""
         while True:

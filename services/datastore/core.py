@@ -20,7 +20,7 @@ from services.datastore import metrics
 from services.datastore.batcher import SampleBatcher, TrialMissing
 from services.datastore.conversion import DatalogConverter
 from services.datastore.leases import IngestionLeases
-from services.datastore.model import ENDED, NO_STATE, TrialRecord, TrialStatus
+from services.datastore.model import ENDED, NO_STATE, TrialCount, TrialRecord, TrialStatus
 from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
@@ -350,6 +350,10 @@ class TrialDatastore:
         wanted_ids = list(dict.fromkeys(trial_ids))
         found = await self.store.trial_statuses(wanted_ids)
         return [found[trial_id] for trial_id in wanted_ids if trial_id in found]
+
+    async def trial_counts(self) -> list[TrialCount]:
+        """How many trials stand each way (last state, ended, closed)."""
+        return await self.ride_out(self.store.count_trials)
 
     async def sample_range(self, trial_id: str, first: int, count: int) -> tuple[list[bytes], int]:
         """Serialized StoredTrialSamples of the trial from position `first` on (`count` at most, 0:

@@ -48,9 +48,27 @@ class TrialStatus:
 
     @property
     def interrupted(self) -> bool:
-        """Its ingestion closed before an ENDED sample: it will not end by itself (the wire still
-        lists it with its last sample's state, RUNNING usually)."""
-        return self.closed and not self.ended
+        return interrupted(self.ended, self.closed)
+
+
+@dataclass(frozen=True)
+class TrialCount:
+    """How many trials stand the same way."""
+
+    last_state: int
+    ended: bool
+    closed: bool
+    trials: int
+
+    @property
+    def interrupted(self) -> bool:
+        return interrupted(self.ended, self.closed)
+
+
+def interrupted(ended: bool, closed: bool) -> bool:
+    """Its ingestion closed before an ENDED sample: a trial that will not end by itself (the wire
+    still lists it with its last sample's state, RUNNING usually)."""
+    return closed and not ended
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,23 @@ class TrialStatusServicer:
             statuses=[trial_status_message(status) for status in statuses]
         )
 
+    async def CountTrials(
+        self, request: trial_status_pb2.CountTrialsRequest, context: Any
+    ) -> trial_status_pb2.CountTrialsReply:
+        counts = await self.datastore.trial_counts()
+        return trial_status_pb2.CountTrialsReply(
+            counts=[
+                trial_status_pb2.TrialCount(
+                    last_state=count.last_state,  # type: ignore[arg-type]
+                    ended=count.ended,
+                    closed=count.closed,
+                    interrupted=count.interrupted,
+                    trials=count.trials,
+                )
+                for count in counts
+            ]
+        )
+
 
 class TrialSamplesServicer:
     """The project's own extension (`cogment_aux.api.TrialSamplesSP`): a range of a trial's

@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from services.datastore.model import SampleAppend, TrialProgress, TrialRecord, TrialStatus
+from services.datastore.model import SampleAppend, TrialCount, TrialProgress, TrialRecord, TrialStatus
 from shared import property_match
 from shared.db import Database, Transaction, in_batches
 from shared.digest import pair_digest, sha256_hex
@@ -85,6 +85,9 @@ _READ_SAMPLES = (
     .limit(bindparam("limit", type_=Integer))
 )
 _LAST_SEQ = select(func.max(trials.c.trial_seq))
+_COUNT_TRIALS = select(trials.c.last_state, trials.c.ended, trials.c.closed, func.count()).group_by(
+    trials.c.last_state, trials.c.ended, trials.c.closed
+)
 # A closed trial keeps no lease (a renewal racing its stream's close must not re-arm one).
 _RENEW_LEASES = update(trials).where(
     trials.c.trial_seq.in_(bindparam("seqs", expanding=True)), trials.c.closed == false()
@@ -249,6 +252,14 @@ class DatastoreStore:
             for trial_id, count, state, ended, closed in await self.db.fetch(_GET_STATUSES, {"keys": batch}):
                 found[trial_id] = TrialStatus(trial_id, int(count), int(state), bool(ended), bool(closed))
         return found
+
+    async def count_trials(self) -> list[TrialCount]:
+        """How many trials stand each way (one scan of the trials, none of their samples)."""
+        rows = await self.db.fetch(_COUNT_TRIALS)
+        return [
+            TrialCount(int(state), bool(ended), bool(closed), int(count))
+            for state, ended, closed, count in rows
+        ]
 
     async def last_trial_seq(self) -> int:
         rows = await self.db.fetch(_LAST_SEQ)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.api import common_pb2 as cogment_dot_api_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"cogment_aux/api/trial_status.proto\x12\x0f\x63ogment_aux.api\x1a\x18\x63ogment/api/common.proto\"1\n\x1cRetrieveTrialStatusesRequest\x12\x11\n\ttrial_ids\x18\x01 \x03(\t\"L\n\x1aRetrieveTrialStatusesReply\x12.\n\x08statuses\x18\x01 \x03(\x0b\x32\x1c.cogment_aux.api.TrialStatus\"\x96\x01\n\x0bTrialStatus\x12\x10\n\x08trial_id\x18\x01 \x01(\t\x12\r\n\x05\x65nded\x18\x02 \x01(\x08\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\x12\x13\n\x0binterrupted\x18\x04 \x01(\x08\x12\x15\n\rsamples_count\x18\x05 \x01(\x04\x12*\n\nlast_state\x18\x06 \x01(\x0e\x32\x16.cogmentAPI.TrialState2\x86\x01\n\rTrialStatusSP\x12u\n\x15RetrieveTrialStatuses\x12-.cogment_aux.api.RetrieveTrialStatusesRequest\x1a+.cogment_aux.api.RetrieveTrialStatusesReply\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"cogment_aux/api/trial_status.proto\x12\x0f\x63ogment_aux.api\x1a\x18\x63ogment/api/common.proto\"1\n\x1cRetrieveTrialStatusesRequest\x12\x11\n\ttrial_ids\x18\x01 \x03(\t\"L\n\x1aRetrieveTrialStatusesReply\x12.\n\x08statuses\x18\x01 \x03(\x0b\x32\x1c.cogment_aux.api.TrialStatus\"\x96\x01\n\x0bTrialStatus\x12\x10\n\x08trial_id\x18\x01 \x01(\t\x12\r\n\x05\x65nded\x18\x02 \x01(\x08\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\x12\x13\n\x0binterrupted\x18\x04 \x01(\x08\x12\x15\n\rsamples_count\x18\x05 \x01(\x04\x12*\n\nlast_state\x18\x06 \x01(\x0e\x32\x16.cogmentAPI.TrialState\"\x14\n\x12\x43ountTrialsRequest\"?\n\x10\x43ountTrialsReply\x12+\n\x06\x63ounts\x18\x01 \x03(\x0b\x32\x1b.cogment_aux.api.TrialCount\"|\n\nTrialCount\x12*\n\nlast_state\x18\x01 \x01(\x0e\x32\x16.cogmentAPI.TrialState\x12\r\n\x05\x65nded\x18\x02 \x01(\x08\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\x12\x13\n\x0binterrupted\x18\x04 \x01(\x08\x12\x0e\n\x06trials\x18\x05 \x01(\x04\x32\xdf\x01\n\rTrialStatusSP\x12u\n\x15RetrieveTrialStatuses\x12-.cogment_aux.api.RetrieveTrialStatusesRequest\x1a+.cogment_aux.api.RetrieveTrialStatusesReply\"\x00\x12W\n\x0b\x43ountTrials\x12#.cogment_aux.api.CountTrialsRequest\x1a!.cogment_aux.api.CountTrialsReply\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RETRIEVETRIALSTATUSESREPLY']._serialized_end=208
   _globals['_TRIALSTATUS']._serialized_start=211
   _globals['_TRIALSTATUS']._serialized_end=361
-  _globals['_TRIALSTATUSSP']._serialized_start=364
-  _globals['_TRIALSTATUSSP']._serialized_end=498
+  _globals['_COUNTTRIALSREQUEST']._serialized_start=363
+  _globals['_COUNTTRIALSREQUEST']._serialized_end=383
+  _globals['_COUNTTRIALSREPLY']._serialized_start=385
+  _globals['_COUNTTRIALSREPLY']._serialized_end=448
+  _globals['_TRIALCOUNT']._serialized_start=450
+  _globals['_TRIALCOUNT']._serialized_end=574
+  _globals['_TRIALSTATUSSP']._serialized_start=577
+  _globals['_TRIALSTATUSSP']._serialized_end=800
 # @@protoc_insertion_point(module_scope)

@@ -107,3 +107,71 @@ class TrialStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrialStatus: _TypeAlias = TrialStatus  # noqa: Y015
+
+@_typing.final
+class CountTrialsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CountTrialsRequest: _TypeAlias = CountTrialsRequest  # noqa: Y015
+
+@_typing.final
+class CountTrialsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def counts(self) -> _containers.RepeatedCompositeFieldContainer[Global___TrialCount]: ...
+    def __init__(
+        self,
+        *,
+        counts: _abc.Iterable[Global___TrialCount] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CountTrialsReply: _TypeAlias = CountTrialsReply  # noqa: Y015
+
+@_typing.final
+class TrialCount(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAST_STATE_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
+    INTERRUPTED_FIELD_NUMBER: _builtins.int
+    TRIALS_FIELD_NUMBER: _builtins.int
+    last_state: _common_pb2.TrialState.ValueType
+    """As in TrialStatus."""
+    ended: _builtins.bool
+    closed: _builtins.bool
+    interrupted: _builtins.bool
+    trials: _builtins.int
+    """The trials that stand so."""
+    def __init__(
+        self,
+        *,
+        last_state: _common_pb2.TrialState.ValueType = ...,
+        ended: _builtins.bool = ...,
+        closed: _builtins.bool = ...,
+        interrupted: _builtins.bool = ...,
+        trials: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "ended", b"ended", "interrupted", b"interrupted", "last_state", b"last_state", "trials", b"trials"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrialCount: _TypeAlias = TrialCount  # noqa: Y015

@@ -39,6 +39,11 @@ class TrialStatusSPStub:
                 request_serializer=cogment__aux_dot_api_dot_trial__status__pb2.RetrieveTrialStatusesRequest.SerializeToString,
                 response_deserializer=cogment__aux_dot_api_dot_trial__status__pb2.RetrieveTrialStatusesReply.FromString,
                 _registered_method=True)
+        self.CountTrials = channel.unary_unary(
+                '/cogment_aux.api.TrialStatusSP/CountTrials',
+                request_serializer=cogment__aux_dot_api_dot_trial__status__pb2.CountTrialsRequest.SerializeToString,
+                response_deserializer=cogment__aux_dot_api_dot_trial__status__pb2.CountTrialsReply.FromString,
+                _registered_method=True)
 
 
 class TrialStatusSPServicer:
@@ -52,6 +57,14 @@ class TrialStatusSPServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountTrials(self, request, context):
+        """How many trials are stored, by where they stand: one count per combination of last state,
+        ended and closed that some trial has (in no particular order).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrialStatusSPServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_TrialStatusSPServicer_to_server(servicer, server):
                     servicer.RetrieveTrialStatuses,
                     request_deserializer=cogment__aux_dot_api_dot_trial__status__pb2.RetrieveTrialStatusesRequest.FromString,
                     response_serializer=cogment__aux_dot_api_dot_trial__status__pb2.RetrieveTrialStatusesReply.SerializeToString,
+            ),
+            'CountTrials': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTrials,
+                    request_deserializer=cogment__aux_dot_api_dot_trial__status__pb2.CountTrialsRequest.FromString,
+                    response_serializer=cogment__aux_dot_api_dot_trial__status__pb2.CountTrialsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class TrialStatusSP:
             '/cogment_aux.api.TrialStatusSP/RetrieveTrialStatuses',
             cogment__aux_dot_api_dot_trial__status__pb2.RetrieveTrialStatusesRequest.SerializeToString,
             cogment__aux_dot_api_dot_trial__status__pb2.RetrieveTrialStatusesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountTrials(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cogment_aux.api.TrialStatusSP/CountTrials',
+            cogment__aux_dot_api_dot_trial__status__pb2.CountTrialsRequest.SerializeToString,
+            cogment__aux_dot_api_dot_trial__status__pb2.CountTrialsReply.FromString,
             options,
             channel_credentials,
             insecure,

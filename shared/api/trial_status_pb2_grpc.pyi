@@ -42,6 +42,10 @@ class TrialStatusSPStub:
     """The status of each requested trial that exists, in request order, once per id; an unknown id
     is absent. More than 10,000 ids, or ids of more than 3 MiB together, is INVALID_ARGUMENT.
     """
+    CountTrials: _grpc.UnaryUnaryMultiCallable[_trial_status_pb2.CountTrialsRequest, _trial_status_pb2.CountTrialsReply]
+    """How many trials are stored, by where they stand: one count per combination of last state,
+    ended and closed that some trial has (in no particular order).
+    """
 
 @_typing.type_check_only
 class TrialStatusSPAsyncStub(TrialStatusSPStub):
@@ -49,6 +53,10 @@ class TrialStatusSPAsyncStub(TrialStatusSPStub):
     RetrieveTrialStatuses: _aio.UnaryUnaryMultiCallable[_trial_status_pb2.RetrieveTrialStatusesRequest, _trial_status_pb2.RetrieveTrialStatusesReply]  # type: ignore[assignment]
     """The status of each requested trial that exists, in request order, once per id; an unknown id
     is absent. More than 10,000 ids, or ids of more than 3 MiB together, is INVALID_ARGUMENT.
+    """
+    CountTrials: _aio.UnaryUnaryMultiCallable[_trial_status_pb2.CountTrialsRequest, _trial_status_pb2.CountTrialsReply]  # type: ignore[assignment]
+    """How many trials are stored, by where they stand: one count per combination of last state,
+    ended and closed that some trial has (in no particular order).
     """
 
 class TrialStatusSPServicer(metaclass=_abc_1.ABCMeta):
@@ -60,6 +68,16 @@ class TrialStatusSPServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_trial_status_pb2.RetrieveTrialStatusesReply, _abc.Awaitable[_trial_status_pb2.RetrieveTrialStatusesReply]]:
         """The status of each requested trial that exists, in request order, once per id; an unknown id
         is absent. More than 10,000 ids, or ids of more than 3 MiB together, is INVALID_ARGUMENT.
+        """
+
+    @_abc_1.abstractmethod
+    def CountTrials(
+        self,
+        request: _trial_status_pb2.CountTrialsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trial_status_pb2.CountTrialsReply, _abc.Awaitable[_trial_status_pb2.CountTrialsReply]]:
+        """How many trials are stored, by where they stand: one count per combination of last state,
+        ended and closed that some trial has (in no particular order).
         """
 
 def add_TrialStatusSPServicer_to_server(servicer: TrialStatusSPServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

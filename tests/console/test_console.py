@@ -404,6 +404,26 @@ async def test_the_inspector_finds_each_tick_among_late_samples(
     await sources.close()
 
 
+async def test_trials_are_counted_by_the_datastore_or_by_listing_them(
+    suite: Suite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for trial_id in ("a", "b"):
+        await record(suite, trial_id, ended_trial(2))
+    await record(suite, "cut", [sample(0)])  # its stream closed before it ended
+    call = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
+    await send_acknowledged(call, datalog_inputs(trial_params(), [sample(0)]))
+    counted = (await http.get("/")).text
+    assert re.findall(r'state=(\w+)">(\d+)', counted) == [
+        ("ended", "2"),
+        ("interrupted", "1"),
+        ("running", "1"),
+    ]
+    # A Cogment 2.x datastore cannot count them: every trial is listed, the same counts.
+    monkeypatch.setattr(DatastoreClient, "trial_counts", _not_served)
+    assert (await http.get("/")).text == counted
+    await call.done_writing()
+
+
 async def test_the_access_token(suite: Suite) -> None:
     app, sources = console_app(suite, auth_token="s3cret")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:

@@ -77,6 +77,32 @@ async def test_an_interrupted_trial_is_told_apart_from_running_and_ended_ones(
     assert (closed.closed, closed.interrupted) == (True, True)
 
 
+async def test_trials_are_counted_by_where_they_stand(datastore: RunningDatastore) -> None:
+    stub = trial_status_pb2_grpc.TrialStatusSPStub(datastore.channel)
+
+    async def counts() -> set[tuple[int, bool, bool, bool, int]]:
+        reply = await stub.CountTrials(trial_status_pb2.CountTrialsRequest(), timeout=10)
+        return {(c.last_state, c.ended, c.closed, c.interrupted, c.trials) for c in reply.counts}
+
+    assert await counts() == set()
+    for trial_id in ("ended-1", "ended-2"):
+        await run_datalog(datastore, trial_id, full_trial(3))
+    await run_datalog(datastore, "interrupted", [datalog_sample(0)])
+    await add_trial(datastore, "added")
+    running = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "running"),))
+    await send_acknowledged(running, datalog_inputs(trial_params(), [datalog_sample(0)]))
+    RUNNING, ENDED, UNKNOWN = common_pb2.RUNNING, common_pb2.ENDED, common_pb2.UNKNOWN
+    assert await counts() == {
+        (ENDED, True, True, False, 2),
+        (RUNNING, False, True, True, 1),
+        (RUNNING, False, False, False, 1),
+        (UNKNOWN, False, False, False, 1),
+    }
+    await running.done_writing()
+    assert await running.read() == grpc.aio.EOF
+    assert (RUNNING, False, True, True, 2) in await counts()  # closed before it ended
+
+
 async def test_a_new_datalog_stream_reopens_an_interrupted_trial(datastore: RunningDatastore) -> None:
     await run_datalog(datastore, "resumed", [datalog_sample(0)])
     [before] = await statuses(datastore, ["resumed"])

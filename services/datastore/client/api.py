@@ -113,6 +113,20 @@ class DatastoreClient(ServiceClient):
             statuses.update((status.trial_id, status) for status in reply.statuses)
         return statuses
 
+    async def trial_counts(self) -> list[trial_status_pb2.TrialCount] | None:
+        """How many trials are stored, by where they stand (last state, ended, closed,
+        interrupted). None when the datastore does not serve `cogment_aux.api.TrialStatusSP`'s
+        CountTrials (the reference's does not): listing every trial is then the only way."""
+        try:
+            reply = await self.status_stub.CountTrials(
+                trial_status_pb2.CountTrialsRequest(), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        return list(reply.counts)
+
     async def sample_range(
         self, trial_id: str, first: int, count: int = 0
     ) -> trial_samples_pb2.RetrieveSampleRangeReply | None:
