@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import ClassVar, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.api import common_pb2
 from shared.channel import ClientTls, TlsFileError, open_channel, tls_for
@@ -93,6 +94,20 @@ class ServiceClient:
         )
         reply: common_pb2.VersionInfo = await call(common_pb2.VersionRequest(), timeout=self.timeout_s)
         return {version.name: version.version for version in reply.versions}
+
+    async def ready(self) -> bool | None:
+        """Whether the service says it can serve (grpc.health.v1, the service ""): False while
+        it answers but its database or blob store is away; None when it has no health service
+        (a Cogment 2.x one may not)."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
+                return None
+            raise
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def no_answer(self) -> str:
         return f"the {self.service} at {self.endpoint} did not answer within {self.timeout_s:g} s"

@@ -175,14 +175,22 @@ class Sources:
         return await self._call("trial_datastore", DatastoreClient, fn)
 
     async def state(self, name: str) -> ServiceState:
-        """The service's version, or why it cannot be reached."""
+        """The service's version, or why it cannot be reached or serve."""
         try:
             versions = await self._call(name, ServiceClient, lambda client: client.version())
+            ready = await self._call(name, ServiceClient, lambda client: client.ready())
         except Unavailable as error:
             return ServiceState(name, self.endpoint(name), error=str(error))
-        return ServiceState(
-            name, self.endpoint(name), version=versions.get("cogment-aux", "") or _first(versions)
-        )
+        version = versions.get("cogment-aux", "") or _first(versions)
+        if ready is False:
+            return ServiceState(
+                name,
+                self.endpoint(name),
+                version,
+                error="it answers but is not ready: its database or blob store is away (it says so "
+                "in its log); its pages wait for it",
+            )
+        return ServiceState(name, self.endpoint(name), version)
 
 
 def _first(versions: dict[str, str]) -> str:

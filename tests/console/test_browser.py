@@ -21,20 +21,14 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
 import pytest
 from playwright.async_api import Browser, ConsoleMessage, Page, Request, async_playwright
 
 from services.model_registry.client.api import ModelRegistryClient
-from shared.api import datalog_pb2
-from tests.helpers.console_trials import rewarded_trial, trial_inputs
+from tests.helpers.console_trials import record, rewarded_trial, running_suite, trial_inputs
 from tests.helpers.datastore import send_acknowledged
 from tests.helpers.running import (
-    RunningDatastore,
     RunningRegistry,
-    make_datastore_factory,
-    make_directory_factory,
-    make_registry_factory,
 )
 from tests.helpers.services import PROJECT_ROOT, clean_environment
 
@@ -122,14 +116,8 @@ async def shot(page: Page, directory: Path, name: str) -> None:
 async def test_the_console_in_a_browser(browser: Browser, tmp_path: Path) -> None:
     ticks = 60
     data = secrets.token_bytes(200_000)
-    async with (
-        make_directory_factory(f"sqlite+aiosqlite:///{tmp_path / 'directory.db'}")() as directory,
-        make_registry_factory(
-            "--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
-            "--archive_dir", str(tmp_path / "blobs"),
-        )() as registry,
-        make_datastore_factory(f"sqlite+aiosqlite:///{tmp_path / 'datastore.db'}")() as datastore,
-    ):  # fmt: skip
+    async with running_suite(tmp_path) as suite:
+        directory, registry, datastore = suite.directory, suite.registry, suite.datastore
         for number in range(3):
             await record(datastore, f"trial-{number}", rewarded_trial(ticks, seed=number))
         await publish(registry, data)
@@ -213,15 +201,6 @@ async def test_the_console_in_a_browser(browser: Browser, tmp_path: Path) -> Non
             assert watched.foreign == []
             await context.close()
         await live.done_writing()
-
-
-async def record(
-    datastore: RunningDatastore, trial_id: str, samples: list[datalog_pb2.DatalogSample]
-) -> None:
-    call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", trial_id), ("user-id", "researcher")))
-    await send_acknowledged(call, trial_inputs(samples))
-    await call.done_writing()
-    assert await call.read() is grpc.aio.EOF
 
 
 async def publish(registry: RunningRegistry, data: bytes, create: bool = True) -> None:

@@ -14,7 +14,6 @@ import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,9 @@ from services.datastore.client.api import DatastoreClient
 from services.directory.client.api import DirectoryClient
 from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, datalog_pb2, directory_pb2
-from tests.helpers.console_trials import observation, sample
+from tests.helpers.console_trials import ConsoleSuite, ended_trial, observation, record, running_suite, sample
 from tests.helpers.datastore import datalog_inputs, send_acknowledged, trial_params
 from tests.helpers.running import (
-    RunningDatastore,
-    RunningDirectory,
-    RunningRegistry,
-    make_datastore_factory,
     make_directory_factory,
     make_registry_factory,
 )
@@ -47,31 +42,14 @@ pytestmark = pytest.mark.timeout(120)
 DEMO_MESSAGES = ["class1=cogment_aux_demo.Observation,cogment_aux_demo.Action"]
 
 
-@dataclass
-class Suite:
-    directory: RunningDirectory
-    registry: RunningRegistry
-    datastore: RunningDatastore
-
-    def endpoint(self, service: RunningDatastore | RunningRegistry) -> str:
-        return f"grpc://127.0.0.1:{service.service.port}"
-
-
 @pytest.fixture
-async def suite(tmp_path: Path) -> AsyncIterator[Suite]:
-    async with (
-        make_directory_factory(f"sqlite+aiosqlite:///{tmp_path / 'directory.db'}")() as directory,
-        make_registry_factory(
-            "--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
-            "--archive_dir", str(tmp_path / "blobs"),
-        )() as registry,
-        make_datastore_factory(f"sqlite+aiosqlite:///{tmp_path / 'datastore.db'}")() as datastore,
-    ):  # fmt: skip
-        yield Suite(directory, registry, datastore)
+async def suite(tmp_path: Path) -> AsyncIterator[ConsoleSuite]:
+    async with running_suite(tmp_path) as running:
+        yield running
 
 
 def console_app(
-    suite: Suite,
+    suite: ConsoleSuite,
     *,
     decoders: Decoders | None = None,
     auth_token: str = "",
@@ -91,31 +69,11 @@ def console_app(
 
 
 @pytest.fixture
-async def http(suite: Suite) -> AsyncIterator[httpx.AsyncClient]:
+async def http(suite: ConsoleSuite) -> AsyncIterator[httpx.AsyncClient]:
     app, sources = console_app(suite, decoders=Decoders.load(["services.demo.api.spec_pb2"], DEMO_MESSAGES))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as client:
         yield client
     await sources.close()
-
-
-async def record(
-    suite: Suite, trial_id: str, samples: list[datalog_pb2.DatalogSample], **properties: str
-) -> None:
-    call = suite.datastore.datalog.RunTrialDatalog(
-        metadata=(("trial-id", trial_id), ("user-id", "researcher"))
-    )
-    await send_acknowledged(call, datalog_inputs(trial_params(**properties), samples))
-    await call.done_writing()
-    assert await call.read() is grpc.aio.EOF
-
-
-def ended_trial(ticks: int) -> list[datalog_pb2.DatalogSample]:
-    return [
-        sample(
-            tick, common_pb2.ENDED if tick == ticks - 1 else common_pb2.RUNNING, {"alice": 1.0, "carol": -0.5}
-        )
-        for tick in range(ticks)
-    ]
 
 
 def text_of(html: str, element_id: str) -> str:
@@ -124,8 +82,8 @@ def text_of(html: str, element_id: str) -> str:
     return match[1].strip()
 
 
-async def test_overview_trials_and_a_trial_page(suite: Suite, http: httpx.AsyncClient) -> None:
-    await record(suite, "first", ended_trial(5), run="a")
+async def test_overview_trials_and_a_trial_page(suite: ConsoleSuite, http: httpx.AsyncClient) -> None:
+    await record(suite.datastore, "first", ended_trial(5), run="a")
     late = ended_trial(4)
     # A late reward for tick 1, stored after tick 2: it counts at tick 1.
     source = common_pb2.RewardSource(sender_name="env", value=10, confidence=1)
@@ -136,7 +94,7 @@ async def test_overview_trials_and_a_trial_page(suite: Suite, http: httpx.AsyncC
             rewards=[common_pb2.Reward(receiver_name="bob", tick_id=1, sources=[source])],
         ),
     )
-    await record(suite, "second", late, run="b")
+    await record(suite.datastore, "second", late, run="b")
     interrupted = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "third"), ("user-id", "u")))
     await send_acknowledged(interrupted, datalog_inputs(trial_params(), [sample(0)]))
     await interrupted.done_writing()
@@ -187,7 +145,7 @@ async def test_overview_trials_and_a_trial_page(suite: Suite, http: httpx.AsyncC
 
 
 async def test_unknown_things_are_404_pages_and_nothing_answers_with_a_traceback(
-    suite: Suite, http: httpx.AsyncClient
+    suite: ConsoleSuite, http: httpx.AsyncClient
 ) -> None:
     for path in ("/trials/nope", "/models/nope", "/api/trials/nope/ticks/0", "/models/nope/versions/1/data"):
         response = await http.get(path)
@@ -196,7 +154,7 @@ async def test_unknown_things_are_404_pages_and_nothing_answers_with_a_traceback
     assert (await http.get("/trials", params={"before": "x"})).status_code == 400
 
 
-async def test_models_versions_and_downloads(suite: Suite, http: httpx.AsyncClient) -> None:
+async def test_models_versions_and_downloads(suite: ConsoleSuite, http: httpx.AsyncClient) -> None:
     data = secrets.token_bytes(300_000)
     async with ModelRegistryClient(suite.endpoint(suite.registry)) as registry:
         await registry.create_model("policy", {"algorithm": "dqn"})
@@ -223,7 +181,9 @@ async def curve_snapshots(http: httpx.AsyncClient, trial_id: str) -> list[dict[s
     return snapshots
 
 
-async def test_new_versions_and_a_running_trials_ticks_stream(suite: Suite, http: httpx.AsyncClient) -> None:
+async def test_new_versions_and_a_running_trials_ticks_stream(
+    suite: ConsoleSuite, http: httpx.AsyncClient
+) -> None:
     call = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
     await send_acknowledged(call, datalog_inputs(trial_params(), [sample(0, rewards={"alice": 1})]))
     page = await http.get("/trials/live")
@@ -243,11 +203,11 @@ async def test_new_versions_and_a_running_trials_ticks_stream(suite: Suite, http
     assert alice["reward_max"] == [1.0, 1.0, 2.0, 0.0]
 
 
-async def test_curves_drawn_at_once_stay_within_their_memory(suite: Suite) -> None:
+async def test_curves_drawn_at_once_stay_within_their_memory(suite: ConsoleSuite) -> None:
     """A trial page's curves hold their share of --curves_bytes while open; past the limit a page
     is told to try again (a 503, or a failure event on the stream), and a closed page's share
     comes back."""
-    await record(suite, "ended", ended_trial(3))
+    await record(suite.datastore, "ended", ended_trial(3))
     call = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
     await send_acknowledged(call, datalog_inputs(trial_params(), [sample(0, rewards={"alice": 1})]))
     app, sources = console_app(suite, curves_bytes=TRIAL_CURVE_BYTES + MIN_CURVE_BYTES)
@@ -318,7 +278,7 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def test_endpoints_not_given_are_discovered_through_the_directory(suite: Suite) -> None:
+async def test_endpoints_not_given_are_discovered_through_the_directory(suite: ConsoleSuite) -> None:
     for service_type, running in (
         (directory_pb2.DATASTORE_SERVICE, suite.datastore),
         (directory_pb2.MODEL_REGISTRY_SERVICE, suite.registry),
@@ -343,7 +303,7 @@ async def test_endpoints_not_given_are_discovered_through_the_directory(suite: S
 
 
 async def test_the_directory_page_shows_failing_entries_too(
-    suite: Suite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    suite: ConsoleSuite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def registration(port: int, permanent: bool) -> directory_pb2.RegisterRequest:
         return directory_pb2.RegisterRequest(
@@ -378,7 +338,7 @@ async def _not_served(*_args: object, **_kwargs: object) -> None:
 
 
 async def test_the_inspector_finds_each_tick_among_late_samples(
-    suite: Suite, monkeypatch: pytest.MonkeyPatch
+    suite: ConsoleSuite, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The binary search by position (TrialSamplesSP) finds the first sample of a tick as reading
     the trial from its start does, late samples of earlier ticks in between."""
@@ -387,7 +347,7 @@ async def test_the_inspector_finds_each_tick_among_late_samples(
         late = sample(tick, rewards={"alice": 5.0})
         late.info.out_of_sync = True
         samples.insert(position, late)
-    await record(suite, "late", samples)
+    await record(suite.datastore, "late", samples)
     app, sources = console_app(suite)
     console: Console = app.state.console
     for tick in sorted({*range(0, 300, 13), 0, 2, 99, 100, 101, 199, 200, 299}):
@@ -405,11 +365,11 @@ async def test_the_inspector_finds_each_tick_among_late_samples(
 
 
 async def test_trials_are_counted_by_the_datastore_or_by_listing_them(
-    suite: Suite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    suite: ConsoleSuite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for trial_id in ("a", "b"):
-        await record(suite, trial_id, ended_trial(2))
-    await record(suite, "cut", [sample(0)])  # its stream closed before it ended
+        await record(suite.datastore, trial_id, ended_trial(2))
+    await record(suite.datastore, "cut", [sample(0)])  # its stream closed before it ended
     call = suite.datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"), ("user-id", "u")))
     await send_acknowledged(call, datalog_inputs(trial_params(), [sample(0)]))
     counted = (await http.get("/")).text
@@ -424,7 +384,7 @@ async def test_trials_are_counted_by_the_datastore_or_by_listing_them(
     await call.done_writing()
 
 
-async def test_the_access_token(suite: Suite) -> None:
+async def test_the_access_token(suite: ConsoleSuite) -> None:
     app, sources = console_app(suite, auth_token="s3cret")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:
         assert (await http.get("/trials", headers={"accept": "application/json"})).status_code == 401

@@ -1,14 +1,68 @@
-"""Trials for the console's tests: the three actors of tests.helpers.datastore (alice and bob of
-class1, carol of class2), class1's observations and actions being the demo's messages (which the
-console decodes when given them), with rewards."""
+"""What the console's tests read: the three services running for real (in-process; SQLite unless
+the datastore is given a database URL), and trials with the three actors of tests.helpers.datastore
+(alice and bob of class1, carol of class2), class1's observations and actions being the demo's
+messages (which the console decodes when given them), with rewards."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
 
 from services.demo.api import spec_pb2
 from shared.api import common_pb2, datalog_pb2
-from tests.helpers.datastore import trial_params
+from tests.helpers.datastore import send_acknowledged, trial_params
+from tests.helpers.running import (
+    RunningDatastore,
+    RunningDirectory,
+    RunningRegistry,
+    make_datastore_factory,
+    make_directory_factory,
+    make_registry_factory,
+)
+
+
+@dataclass
+class ConsoleSuite:
+    directory: RunningDirectory
+    registry: RunningRegistry
+    datastore: RunningDatastore
+
+    def endpoint(self, service: RunningDatastore | RunningRegistry) -> str:
+        return f"grpc://127.0.0.1:{service.service.port}"
+
+
+@asynccontextmanager
+async def running_suite(
+    tmp_path: Path, datastore_url: str | None = None, *datastore_flags: str
+) -> AsyncIterator[ConsoleSuite]:
+    """The directory, the registry and the datastore, on SQLite files in `tmp_path` (the
+    datastore on `datastore_url` when given, with `datastore_flags`)."""
+    async with (
+        make_directory_factory(f"sqlite+aiosqlite:///{tmp_path / 'directory.db'}")() as directory,
+        make_registry_factory(
+            "--database_url", f"sqlite+aiosqlite:///{tmp_path / 'registry.db'}",
+            "--archive_dir", str(tmp_path / "blobs"),
+        )() as registry,
+        make_datastore_factory(datastore_url or f"sqlite+aiosqlite:///{tmp_path / 'datastore.db'}")(
+            *datastore_flags
+        ) as datastore,
+    ):  # fmt: skip
+        yield ConsoleSuite(directory, registry, datastore)
+
+
+async def record(
+    datastore: RunningDatastore, trial_id: str, samples: list[datalog_pb2.DatalogSample], **properties: str
+) -> None:
+    """A trial logged as the orchestrator does, its stream closed once every sample is stored."""
+    call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", trial_id), ("user-id", "researcher")))
+    await send_acknowledged(call, trial_inputs(samples, **properties))
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
 
 
 def observation(tick: int) -> bytes:
@@ -52,3 +106,13 @@ def trial_inputs(
     if with_params:
         inputs.insert(0, datalog_pb2.RunTrialDatalogInput(trial_params=trial_params(**properties)))
     return inputs
+
+
+def ended_trial(ticks: int) -> list[datalog_pb2.DatalogSample]:
+    """A trial ending at its last tick, alice rewarded 1 and carol -0.5 every tick."""
+    return [
+        sample(
+            tick, common_pb2.ENDED if tick == ticks - 1 else common_pb2.RUNNING, {"alice": 1.0, "carol": -0.5}
+        )
+        for tick in range(ticks)
+    ]
