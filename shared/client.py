@@ -95,6 +95,17 @@ class ServiceClient:
         reply: common_pb2.VersionInfo = await call(common_pb2.VersionRequest(), timeout=self.timeout_s)
         return {version.name: version.version for version in reply.versions}
 
+    @staticmethod
+    async def if_served(call: Awaitable[T]) -> T | None:
+        """What `call` (to one of the project's own services, `cogment_aux.api.*`) answers, or
+        None when the server does not serve it (`UNIMPLEMENTED`: a Cogment 2.x one)."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+
     async def ready(self) -> bool | None:
         """Whether the service says it can serve (grpc.health.v1, the service ""): False while
         it answers but its database or blob store is away; None when it has no health service

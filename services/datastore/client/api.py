@@ -102,14 +102,13 @@ class DatastoreClient(ServiceClient):
         are then only what `StoredTrialInfo.last_state` says."""
         statuses: dict[str, trial_status_pb2.TrialStatus] = {}
         for chunk in _status_chunks(list(dict.fromkeys(trial_ids))):
-            try:
-                reply = await self.status_stub.RetrieveTrialStatuses(
+            reply = await self.if_served(
+                self.status_stub.RetrieveTrialStatuses(
                     trial_status_pb2.RetrieveTrialStatusesRequest(trial_ids=chunk), timeout=self.timeout_s
                 )
-            except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    return None
-                raise
+            )
+            if reply is None:
+                return None
             statuses.update((status.trial_id, status) for status in reply.statuses)
         return statuses
 
@@ -117,15 +116,10 @@ class DatastoreClient(ServiceClient):
         """How many trials are stored, by where they stand (last state, ended, closed,
         interrupted). None when the datastore does not serve `cogment_aux.api.TrialStatusSP`'s
         CountTrials (the reference's does not): listing every trial is then the only way."""
-        try:
-            reply = await self.status_stub.CountTrials(
-                trial_status_pb2.CountTrialsRequest(), timeout=self.timeout_s
-            )
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise
-        return list(reply.counts)
+        reply = await self.if_served(
+            self.status_stub.CountTrials(trial_status_pb2.CountTrialsRequest(), timeout=self.timeout_s)
+        )
+        return None if reply is None else list(reply.counts)
 
     async def sample_range(
         self, trial_id: str, first: int, count: int = 0
@@ -134,15 +128,12 @@ class DatastoreClient(ServiceClient):
         them; `count` at most, 0: 100, fewer past 2 MiB), and how many it has. None when the
         datastore does not serve `cogment_aux.api.TrialSamplesSP` (the reference's does not):
         `samples` from the start is then the only way."""
-        try:
-            reply: trial_samples_pb2.RetrieveSampleRangeReply = await self.samples_stub.RetrieveSampleRange(
+        reply: trial_samples_pb2.RetrieveSampleRangeReply | None = await self.if_served(
+            self.samples_stub.RetrieveSampleRange(
                 trial_samples_pb2.RetrieveSampleRangeRequest(trial_id=trial_id, first=first, count=count),
                 timeout=self.timeout_s,
             )
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise
+        )
         return reply
 
     async def interrupted_trials(self, trial_ids: Sequence[str]) -> set[str]:

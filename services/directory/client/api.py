@@ -96,16 +96,13 @@ class DirectoryClient(ServiceClient):
         from `handle` (a previous page's `next_handle`). None when the directory does not serve
         `cogment_aux.api.DirectoryEntriesSP` (the reference's does not): inquiries then list the
         healthy entries alone."""
-        try:
-            reply: directory_entries_pb2.ListEntriesReply = await self._entries_stub.ListEntries(
+        reply: directory_entries_pb2.ListEntriesReply | None = await self.if_served(
+            self._entries_stub.ListEntries(
                 directory_entries_pb2.ListEntriesRequest(count=count, handle=handle),
                 metadata=self._metadata,
                 timeout=self.timeout_s,
             )
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise
+        )
         return reply
 
     async def wait_for_ready(self) -> None:
