@@ -68,9 +68,6 @@ SNAPSHOT_INTERVAL_S = 0.5
 # their returns once their page was opened), and of this many samples per page in all.
 RETURNS_TRIAL_SAMPLES = 5_000
 ENVIRONMENT = "environment"
-# Samples looked through on each side of where the binary search puts a tick (late samples of
-# earlier ticks may sit among its own).
-TICK_SEARCH_WINDOW = 64
 # Directory entries the directory page lists at most (the newest), and per request.
 MAX_ENTRIES = 10_000
 ENTRIES_PAGE = 1000
@@ -477,31 +474,13 @@ class Console:
     async def _sample_of_tick(
         self, trial_id: str, tick: int, samples: int
     ) -> trial_datastore_pb2.StoredTrialSample | None:
-        """The first sample of `tick`. Samples are stored in arrival order, their ticks going up
-        but for late ones: a binary search by position (the datastore's own TrialSamplesSP)
-        finds where the tick begins, and the samples around it are looked through; should the
-        tick not be there (late samples misled the search), the trial is read from its start,
-        as it is from a datastore without that service."""
-
-        async def at(first: int, count: int) -> list[trial_datastore_pb2.StoredTrialSample] | None:
-            reply = await self.sources.datastore(lambda client: client.sample_range(trial_id, first, count))
-            return None if reply is None else list(reply.samples)
-
-        low, high = 0, samples  # the first position whose tick is at least `tick` is in [low, high]
-        while low < high:
-            middle = (low + high) // 2
-            found = await at(middle, 1)
-            if found is None:
-                return await self._scanned_sample_of_tick(trial_id, tick, samples)
-            if not found or found[0].tick_id >= tick:
-                high = middle
-            else:
-                low = middle + 1
-        window = await at(max(0, low - TICK_SEARCH_WINDOW), 2 * TICK_SEARCH_WINDOW)
-        for sample in window or []:
-            if sample.tick_id == tick:
-                return sample
-        return await self._scanned_sample_of_tick(trial_id, tick, samples)
+        """The first sample of `tick` in arrival order (late samples of a tick come after it),
+        found by the datastore (its own TrialSamplesSP), else by reading the trial from its start
+        (a Cogment 2.x datastore)."""
+        reply = await self.sources.datastore(lambda client: client.sample_range(trial_id, 0, 1, tick))
+        if reply is None:
+            return await self._scanned_sample_of_tick(trial_id, tick, samples)
+        return reply.samples[0] if reply.samples else None
 
     async def _scanned_sample_of_tick(
         self, trial_id: str, tick: int, samples: int

@@ -355,34 +355,57 @@ class TrialDatastore:
         """How many trials stand each way (last state, ended, closed)."""
         return await self.ride_out(self.store.count_trials)
 
-    async def sample_range(self, trial_id: str, first: int, count: int) -> tuple[list[bytes], int]:
-        """Serialized StoredTrialSamples of the trial from position `first` on (`count` at most, 0:
-        RANGE_DEFAULT_COUNT; RANGE_MAX_BYTES together unless one alone is larger), and how many
-        samples it has."""
+    async def sample_range(
+        self, trial_id: str, first: int, count: int, tick: int | None = None
+    ) -> tuple[list[bytes], int, int]:
+        """Serialized StoredTrialSamples of the trial from position `first` on (with `tick`: from
+        the first of them of that tick), `count` at most (0: RANGE_DEFAULT_COUNT) and
+        RANGE_MAX_BYTES together unless one alone is larger; the position of the first answered,
+        and how many samples the trial has. Rows are read in batches of about RANGE_MAX_BYTES
+        (the first batch one row), so that a search holds one batch at a time."""
         if count > RANGE_MAX_COUNT:
             raise InvalidArgument(f"count [{count}] is over {RANGE_MAX_COUNT}")
-        if first > MAX_INT64_POSITION:
-            raise InvalidArgument(f"first [{first}] is past any trial's samples")
+        count = count or RANGE_DEFAULT_COUNT
+        position = min(first, MAX_INT64_POSITION)  # past any trial's samples: none
         found = await self.ride_out(
             functools.partial(self.store.get_trials, [checked_id(trial_id, "trial id")])
         )
         if trial_id not in found:
             raise NotFound(f'no trial "{quoted(trial_id)}" found')
         seq = found[trial_id].trial_seq
-        rows = await self.ride_out(
-            functools.partial(self.store.read_samples, seq, first, count or RANGE_DEFAULT_COUNT)
-        )
+        kept, start = await self._read_range(seq, position, count, tick)
         progress = await self.ride_out(functools.partial(self.store.progress, seq))
         if progress is None:
             raise NotFound(f'trial "{quoted(trial_id)}" was deleted')
+        # Samples read may have been stored after the count was: never fewer than were read.
+        return kept, start, max(progress.samples_count, start + len(kept) if kept else 0)
+
+    async def _read_range(
+        self, seq: int, first: int, count: int, tick: int | None
+    ) -> tuple[list[bytes], int]:
+        """The samples `sample_range` answers, and the position of the first (none: where the
+        reading stopped)."""
         kept: list[bytes] = []
-        size = 0
-        for data in rows:
-            size += len(data)
-            if kept and size > RANGE_MAX_BYTES:
-                break
-            kept.append(data)
-        return kept, max(progress.samples_count, first + len(kept))
+        size, start, position, rows = 0, first, first, 1
+        searching = tick is not None
+        while True:
+            batch = await self.ride_out(functools.partial(self.store.read_samples, seq, position, rows))
+            for data in batch:
+                if searching:
+                    if trial_datastore_pb2.StoredTrialSample.FromString(data).tick_id != tick:
+                        position += 1
+                        continue
+                    searching, start = False, position
+                if len(kept) == count or (kept and size + len(data) > RANGE_MAX_BYTES):
+                    return kept, start
+                kept.append(data)
+                size += len(data)
+                position += 1
+            if len(batch) < rows or len(kept) == count:
+                return kept, start if kept else position
+            average = max(1, sum(len(data) for data in batch) // len(batch))
+            rows = max(1, min(RANGE_MAX_COUNT, RANGE_MAX_BYTES // average))
+            del batch  # one batch held at a time
 
     # ---- ingestion ----
 

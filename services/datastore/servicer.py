@@ -214,10 +214,14 @@ class TrialSamplesServicer:
     async def RetrieveSampleRange(
         self, request: trial_samples_pb2.RetrieveSampleRangeRequest, context: Any
     ) -> trial_samples_pb2.RetrieveSampleRangeReply:
-        samples, count = await self.datastore.sample_range(request.trial_id, request.first, request.count)
+        tick = request.tick if request.HasField("tick") else None
+        samples, first, count = await self.datastore.sample_range(
+            request.trial_id, request.first, request.count, tick
+        )
         return trial_samples_pb2.RetrieveSampleRangeReply(
             samples=[trial_datastore_pb2.StoredTrialSample.FromString(data) for data in samples],
             samples_count=count,
+            first=first,
         )
 
 

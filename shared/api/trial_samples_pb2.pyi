@@ -32,21 +32,27 @@ class RetrieveSampleRangeRequest(_message.Message):
     TRIAL_ID_FIELD_NUMBER: _builtins.int
     FIRST_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
+    TICK_FIELD_NUMBER: _builtins.int
     trial_id: _builtins.str
     first: _builtins.int
     count: _builtins.int
+    tick: _builtins.int
+    """Start at the first sample of this tick (from `first` on), found by the datastore."""
     def __init__(
         self,
         *,
         trial_id: _builtins.str = ...,
         first: _builtins.int = ...,
         count: _builtins.int = ...,
+        tick: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tick", b"_tick", "tick", b"tick"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "first", b"first", "trial_id", b"trial_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tick", b"_tick", "count", b"count", "first", b"first", "tick", b"tick", "trial_id", b"trial_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__tick: _TypeAlias = _typing.Literal["tick"]  # noqa: Y015
+    _WhichOneofArgType__tick: _TypeAlias = _typing.Literal["_tick", b"_tick"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tick) -> _WhichOneofReturnType__tick | None: ...
 
 Global___RetrieveSampleRangeRequest: _TypeAlias = RetrieveSampleRangeRequest  # noqa: Y015
 
@@ -56,8 +62,11 @@ class RetrieveSampleRangeReply(_message.Message):
 
     SAMPLES_FIELD_NUMBER: _builtins.int
     SAMPLES_COUNT_FIELD_NUMBER: _builtins.int
+    FIRST_FIELD_NUMBER: _builtins.int
     samples_count: _builtins.int
     """The trial's samples stored when this was read."""
+    first: _builtins.int
+    """The position of the first sample answered (with `tick`: where that tick's first sample is)."""
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[_trial_datastore_pb2.StoredTrialSample]: ...
     def __init__(
@@ -65,10 +74,11 @@ class RetrieveSampleRangeReply(_message.Message):
         *,
         samples: _abc.Iterable[_trial_datastore_pb2.StoredTrialSample] | None = ...,
         samples_count: _builtins.int = ...,
+        first: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "samples_count", b"samples_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "samples", b"samples", "samples_count", b"samples_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -47,8 +47,9 @@ class TrialSamplesSPServicer:
     def RetrieveSampleRange(self, request, context):
         """The trial's samples from position `first` (0: its first sample, in the order RetrieveSamples
         replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
-        INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left). An
-        unknown trial is NOT_FOUND; a `first` past its samples answers none.
+        INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
+        `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
+        trial is NOT_FOUND; a `first` past its samples answers none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

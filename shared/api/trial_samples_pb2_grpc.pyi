@@ -40,8 +40,9 @@ class TrialSamplesSPStub:
     RetrieveSampleRange: _grpc.UnaryUnaryMultiCallable[_trial_samples_pb2.RetrieveSampleRangeRequest, _trial_samples_pb2.RetrieveSampleRangeReply]
     """The trial's samples from position `first` (0: its first sample, in the order RetrieveSamples
     replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
-    INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left). An
-    unknown trial is NOT_FOUND; a `first` past its samples answers none.
+    INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
+    `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
+    trial is NOT_FOUND; a `first` past its samples answers none.
     """
 
 @_typing.type_check_only
@@ -50,8 +51,9 @@ class TrialSamplesSPAsyncStub(TrialSamplesSPStub):
     RetrieveSampleRange: _aio.UnaryUnaryMultiCallable[_trial_samples_pb2.RetrieveSampleRangeRequest, _trial_samples_pb2.RetrieveSampleRangeReply]  # type: ignore[assignment]
     """The trial's samples from position `first` (0: its first sample, in the order RetrieveSamples
     replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
-    INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left). An
-    unknown trial is NOT_FOUND; a `first` past its samples answers none.
+    INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
+    `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
+    trial is NOT_FOUND; a `first` past its samples answers none.
     """
 
 class TrialSamplesSPServicer(metaclass=_abc_1.ABCMeta):
@@ -63,8 +65,9 @@ class TrialSamplesSPServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_trial_samples_pb2.RetrieveSampleRangeReply, _abc.Awaitable[_trial_samples_pb2.RetrieveSampleRangeReply]]:
         """The trial's samples from position `first` (0: its first sample, in the order RetrieveSamples
         replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
-        INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left). An
-        unknown trial is NOT_FOUND; a `first` past its samples answers none.
+        INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
+        `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
+        trial is NOT_FOUND; a `first` past its samples answers none.
         """
 
 def add_TrialSamplesSPServicer_to_server(servicer: TrialSamplesSPServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

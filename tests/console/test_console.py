@@ -337,31 +337,39 @@ async def _not_served(*_args: object, **_kwargs: object) -> None:
     return None
 
 
-async def test_the_inspector_finds_each_tick_among_late_samples(
+async def test_the_inspector_shows_each_ticks_own_sample_among_late_ones(
     suite: ConsoleSuite, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The binary search by position (TrialSamplesSP) finds the first sample of a tick as reading
-    the trial from its start does, late samples of earlier ticks in between."""
+    """The first sample of a tick, as reading the trial from its start finds it, late samples of
+    earlier ticks in between (some of them after the trial's last tick)."""
     samples = ended_trial(300)
     for position, tick in [(250, 100), (200, 199), (150, 2), (151, 2), (100, 99), (20, 0)]:
         late = sample(tick, rewards={"alice": 5.0})
         late.info.out_of_sync = True
         samples.insert(position, late)
+    samples += [sample(tick, rewards={"alice": 7.0}) for tick in range(300)]  # rewards after the end
     await record(suite.datastore, "late", samples)
     app, sources = console_app(suite)
     console: Console = app.state.console
-    for tick in sorted({*range(0, 300, 13), 0, 2, 99, 100, 101, 199, 200, 299}):
-        searched = await console._sample_of_tick("late", tick, len(samples))
-        assert searched == await console._scanned_sample_of_tick("late", tick, len(samples)), tick
-        assert searched is not None and searched.timestamp == 1000 + tick  # in order, not late
+    ticks = sorted({*range(0, 300, 13), 0, 2, 99, 100, 101, 199, 200, 299})
+    scanned = {tick: await console._scanned_sample_of_tick("late", tick, len(samples)) for tick in ticks}
+    monkeypatch.setattr(Console, "_scanned_sample_of_tick", _not_to_be_called)  # the datastore finds them
+    for tick in ticks:
+        found = await console._sample_of_tick("late", tick, len(samples))
+        assert found == scanned[tick] and found is not None and found.timestamp == 1000 + tick, tick
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:
         view = (await http.get("/api/trials/late/ticks/299")).json()
         assert (view["tick"], view["state"]) == (299, "ended")
         assert (await http.get("/api/trials/late/ticks/300")).status_code == 404
         # A datastore without the ranges (a Cogment 2.x one): read from the start, the same tick.
+        monkeypatch.undo()
         monkeypatch.setattr(DatastoreClient, "sample_range", _not_served)
         assert (await http.get("/api/trials/late/ticks/299")).json() == view
     await sources.close()
+
+
+async def _not_to_be_called(*_args: object, **_kwargs: object) -> None:
+    raise AssertionError("the trial was read from its start")
 
 
 async def test_trials_are_counted_by_the_datastore_or_by_listing_them(
