@@ -46,7 +46,7 @@ OPTIONS: list[Option] = [
     ),
     Option(
         "directory_endpoint",
-        "the directory, grpc://host:port (grpcs:// over TLS)",
+        "the directory, grpc://host:port (grpcs:// over TLS); empty: none (give the other two)",
         "grpc://localhost:9005",
         "COGMENT_DIRECTORY_ENDPOINT",
     ),

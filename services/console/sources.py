@@ -131,6 +131,8 @@ class Sources:
         slot = self._slots[name]
         async with slot.lock:
             if slot.client is None:
+                if not slot.given and name not in DISCOVERED_TYPES:
+                    raise Unavailable(name, f"no {name.replace('_', ' ')} endpoint is configured")
                 if not slot.given:
                     slot.endpoint = await self._discover(name)
                     slot.found_at = time.monotonic()

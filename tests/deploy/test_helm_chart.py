@@ -438,6 +438,19 @@ def test_the_health_port_and_its_network_policy_rule_follow_the_values() -> None
             continue
         (rule,) = [rule for rule in policy["spec"]["ingress"] if rule["ports"][0]["port"] == "health"]
         assert rule["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
+    # The console's probes reach its HTTP port from those peers too, when only clients may.
+    closed = render(
+        set_values={
+            "networkPolicy.enabled": "true",
+            "networkPolicy.allowExternal": "false",
+            "networkPolicy.healthFrom[0].ipBlock.cidr": "10.0.0.0/16",
+        }
+    )
+    console_rules = by_component(closed, "NetworkPolicy")["console"]["spec"]["ingress"]
+    assert {
+        "ports": [{"port": "http", "protocol": "TCP"}],
+        "from": [{"ipBlock": {"cidr": "10.0.0.0/16"}}],
+    } in (console_rules)
 
 
 # ---- what the scale-out values deploy ----
@@ -802,8 +815,12 @@ def test_the_console_values() -> None:
     env = _console(elsewhere)[2]
     assert _values(env, *ENDPOINT_VARIABLES) == {
         "COGMENT_DIRECTORY_ENDPOINT": "grpc://directory.example:9005",
+        "COGMENT_MODEL_REGISTRY_ENDPOINT": "",  # discovered through the directory
         "COGMENT_TRIAL_DATASTORE_ENDPOINT": "grpc://datastore.example:9003",
     }
+    # No directory at all: none (the console's pages say so), not the console's localhost default.
+    alone = render(set_values={"directory.enabled": "false"})
+    assert _console(alone)[2]["COGMENT_DIRECTORY_ENDPOINT"]["value"] == ""
     assert env["COGMENT_CONSOLE_PROTO_MODULE"]["value"] == "services.demo.api.spec_pb2"
     assert (
         env["COGMENT_CONSOLE_MESSAGES"]["value"]
@@ -827,6 +844,38 @@ def test_the_console_values() -> None:
     assert not [
         m for m in disabled if m["metadata"]["labels"].get("app.kubernetes.io/component") == "console"
     ]
+
+
+def test_the_console_follows_values_that_worked_before_it() -> None:
+    """Values valid without the console stay valid with it on by default: TLS from the services'
+    own certificate Secrets gives it their CA; services serving different TLS leave it out, and
+    the install notes say why."""
+    own_secrets = {
+        "tls.enabled": "true",
+        "directory.tls.existingSecret": "directory-tls",
+        "modelRegistry.tls.existingSecret": "registry-tls",
+        "datastore.tls.existingSecret": "datastore-tls",
+    }
+    spec, _container, env = _console(render(set_values=own_secrets))
+    (client_tls,) = [volume for volume in spec["volumes"] if volume["name"] == "client-tls"]
+    assert client_tls["projected"]["sources"] == [_secret_source("directory-tls", **{"ca.crt": "ca.crt"})]
+    assert env["COGMENT_DIRECTORY_ENDPOINT"]["value"].startswith("grpcs://")
+    mixed = [
+        "--set",
+        "tls.enabled=true",
+        "--set",
+        "tls.existingSecret=t",
+        "--set",
+        "directory.tls.enabled=false",
+    ]
+    installed = helm("install", "cogment", str(CHART_DIR), "--dry-run=client", "--namespace", "ml", *mixed)
+    rendered = installed.stdout.split("MANIFEST:", 1)[1].split("NOTES:", 1)[0]
+    manifests = [doc for doc in yaml.safe_load_all(rendered) if doc]
+    assert of_kind(manifests, "Deployment")  # the services are there
+    assert not [
+        m for m in manifests if m["metadata"]["labels"].get("app.kubernetes.io/component") == "console"
+    ]
+    assert "WARNING: the console (console.enabled) is not deployed" in installed.stdout.split("NOTES:", 1)[1]
 
 
 # ---- what the chart refuses ----
@@ -891,10 +940,6 @@ def test_the_console_values() -> None:
                 "datastore.tls.enabled": "false",
             },
             "modelRegistry registers in a directory that requires client certificates, but has no",
-        ),
-        (
-            {"tls.enabled": "true", "tls.existingSecret": "tls", "directory.tls.enabled": "false"},
-            "the console reaches them all with one TLS setting",
         ),
         ({"console.tls.enabled": "true"}, "has no CA to check their certificates with"),
         (

@@ -254,9 +254,10 @@ topologySpreadConstraints:
 How the console reaches the services, as YAML: each one's endpoint (empty: the console discovers
 it through the directory), and whether it speaks TLS to them, with which CA and client
 certificate. An endpoint not given is this release's Service (for the directory, else
-directoryRegistration.endpoint); TLS (console.tls.enabled null) follows what the release's
-Services it reaches serve: `mixed` when they differ, which one set of client settings cannot
-reach (validate refuses it).
+directoryRegistration.endpoint; none: empty); TLS (console.tls.enabled null) follows what the
+release's Services it reaches serve, checked with the CA of tls.existingSecret, else of the first
+of their own certificate Secrets: `mixed` when they differ, which one set of client settings
+cannot reach (the console is then left out, and the install notes say why).
 */}}
 {{- define "cogment-aux.consoleClient" -}}
 {{- $root := . -}}
@@ -272,6 +273,7 @@ reach (validate refuses it).
 {{- $enabled := false -}}
 {{- $mtls := false -}}
 {{- $mixed := false -}}
+{{- $serviceSecret := "" -}}
 {{- range $index, $key := $release -}}
 {{- $tls := include "cogment-aux.tls" (dict "root" $root "key" $key) | fromYaml -}}
 {{- if eq $index 0 -}}
@@ -279,6 +281,9 @@ reach (validate refuses it).
 {{- $mtls = $tls.mtls -}}
 {{- else if or (ne $tls.enabled $enabled) (ne $tls.mtls $mtls) -}}
 {{- $mixed = true -}}
+{{- end -}}
+{{- if and $tls.enabled (not $serviceSecret) -}}
+{{- $serviceSecret = $tls.secret -}}
 {{- end -}}
 {{- end -}}
 {{- if kindIs "bool" $conf.enabled -}}
@@ -295,12 +300,19 @@ endpoints:
 {{- end }}
 tls: {{ $enabled }}
 mixed: {{ $mixed }}
-caSecret: {{ $conf.caSecret | default $root.Values.tls.existingSecret | quote }}
+caSecret: {{ $conf.caSecret | default $root.Values.tls.existingSecret | default $serviceSecret | quote }}
 caKey: {{ $conf.caKey | quote }}
 client: {{ and $enabled $mtls }}
-certSecret: {{ $conf.clientCert.existingSecret | default $root.Values.directoryRegistration.tls.clientCert.existingSecret | default $root.Values.tls.existingSecret | quote }}
+certSecret: {{ $conf.clientCert.existingSecret | default $root.Values.directoryRegistration.tls.clientCert.existingSecret | default $root.Values.tls.existingSecret | default $serviceSecret | quote }}
 certKey: {{ $conf.clientCert.certKey | quote }}
 keyKey: {{ $conf.clientCert.keyKey | quote }}
+{{- end -}}
+
+{{/* "true" when the console is deployed: enabled, and the services it reaches serve alike. */}}
+{{- define "cogment-aux.consoleDeployed" -}}
+{{- if and .Values.console.enabled (not (include "cogment-aux.consoleClient" . | fromYaml).mixed) -}}
+true
+{{- end -}}
 {{- end -}}
 
 {{/* The egress rules of every pod's NetworkPolicy: DNS, this release's pods, the extra ones. */}}
@@ -369,9 +381,6 @@ Checks of the values that a schema cannot express; each failure is one clear mes
 {{- end -}}
 {{- if .Values.console.enabled -}}
 {{- $client := include "cogment-aux.consoleClient" . | fromYaml -}}
-{{- if $client.mixed -}}
-{{- fail "console.enabled: this release's services do not all serve the same TLS (tls.enabled, tls.clientCA.enabled and the services' tls.enabled), and the console reaches them all with one TLS setting: serve them alike, or give the console their endpoints (console.endpoints.*) and console.tls.enabled" -}}
-{{- end -}}
 {{- if and $client.tls (not $client.caSecret) -}}
 {{- fail "the console reaches the services over TLS but has no CA to check their certificates with: set console.tls.caSecret (a Secret holding the PEM CA bundle, key console.tls.caKey) or tls.existingSecret" -}}
 {{- end -}}
