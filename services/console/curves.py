@@ -7,16 +7,18 @@ names, as the training data does it (docs/training-data.md).
 
 Each actor's rewards are folded into at most `capacity` slots of `width` ticks: the sum of the
 slot's rewards, and the smallest and largest reward of one of its ticks (a tick without a reward
-counts 0). The slots fill up in tick order; when they are all used, pairs are merged and the
-width doubles. The last slot is open: it keeps its sum, bounds and the number of its ticks that
-had a reward, and the tick being read is kept apart until a later tick arrives, so that every
-reward of a tick is added before the tick is folded. Returns are exact; the bounds are exact
-too, except after a late reward for a tick already folded into a slot wider than one tick: the
-tick's own value is no longer known there, and the bounds widen to keep it between them.
+counts 0). The slots fill up in tick order; when a tick falls past the last of them, pairs are
+merged and the width doubles, as often as needed. The last slot is open: it keeps its sum,
+bounds and the number of its ticks that had a reward, and the tick being read is kept apart until
+a later tick arrives, so that every reward of a tick is added before the tick is folded.
+Returns are exact; the bounds are exact too, except after a late reward for a tick already
+folded into a slot wider than one tick: the tick's own value is no longer known there, and the
+bounds widen to keep it between them.
 """
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,11 +85,13 @@ class _ActorSlots:
         self.highs.extend(array("d", bytes(8 * count)))
 
     def merge_pairs(self) -> None:
-        """Every two full slots as one (their count is even)."""
+        """Every two full slots as one (an odd last one with an empty slot after it)."""
+        if len(self.sums) % 2:
+            self.add_empty(1)
         sums, lows, highs = self.sums, self.lows, self.highs
-        self.sums = array("d", (sums[i] + sums[i + 1] for i in range(0, len(sums), 2)))
-        self.lows = array("d", (min(lows[i], lows[i + 1]) for i in range(0, len(lows), 2)))
-        self.highs = array("d", (max(highs[i], highs[i + 1]) for i in range(0, len(highs), 2)))
+        self.sums = array("d", map(operator.add, sums[0::2], sums[1::2]))
+        self.lows = array("d", map(min, lows[0::2], lows[1::2]))
+        self.highs = array("d", map(max, highs[0::2], highs[1::2]))
 
     def add_late(self, slot: int, reward: float, width: int) -> None:
         """A reward for a tick already folded into full slot `slot`, or into the open one
@@ -107,25 +111,39 @@ class _ActorSlots:
         else:
             self.lows[slot], self.highs[slot] = _widened(self.lows[slot], self.highs[slot], reward)
 
-    def slot_values(self, read_ticks: int, width: int) -> tuple[list[float], list[float], list[float]]:
-        """Sums and bounds of the full slots, then of the open one when it has read ticks."""
-        sums, lows, highs = list(self.sums), list(self.lows), list(self.highs)
-        covered = read_ticks - len(sums) * width
-        if covered > 0:
-            slot = self.open
-            total, low, high, rewarded = slot.total, slot.low, slot.high, slot.rewarded
-            if slot.tick >= 0:
-                low, high = (
-                    (min(low, slot.value), max(high, slot.value)) if rewarded else (slot.value, slot.value)
-                )
-                total += slot.value
-                rewarded += 1
-            if rewarded < covered:
-                low, high = (min(low, 0.0), max(high, 0.0)) if rewarded else (0.0, 0.0)
-            sums.append(total)
-            lows.append(low)
-            highs.append(high)
-        return sums, lows, highs
+    def open_values(self, read_ticks: int, width: int) -> tuple[float, float, float] | None:
+        """The open slot's sum and bounds, the tick kept apart folded in, when it has read ticks."""
+        covered = read_ticks - len(self.sums) * width
+        if covered <= 0:
+            return None
+        slot = self.open
+        total, low, high, rewarded = slot.total, slot.low, slot.high, slot.rewarded
+        if slot.tick >= 0:
+            low, high = (
+                (min(low, slot.value), max(high, slot.value)) if rewarded else (slot.value, slot.value)
+            )
+            total += slot.value
+            rewarded += 1
+        if rewarded < covered:
+            low, high = (min(low, 0.0), max(high, 0.0)) if rewarded else (0.0, 0.0)
+        return total, low, high
+
+    def bucket(
+        self, start: int, end: int, opened: tuple[float, float, float] | None
+    ) -> tuple[float, float, float]:
+        """Sum and bounds of slots `start` to `end` (excluded; the open one is number
+        len(sums), with the values `opened`), read from the arrays without copying them whole."""
+        full_end = min(end, len(self.sums))
+        totals, lows, highs = [], [], []
+        if start < full_end:
+            totals.append(sum(self.sums[start:full_end]))
+            lows.append(min(self.lows[start:full_end]))
+            highs.append(max(self.highs[start:full_end]))
+        if end > len(self.sums) and opened is not None:
+            totals.append(opened[0])
+            lows.append(opened[1])
+            highs.append(opened[2])
+        return sum(totals), min(lows), max(highs)
 
 
 def _widened(low: float, high: float, reward: float) -> tuple[float, float]:
@@ -157,26 +175,20 @@ class RewardTotals:
         return self._full * self.width
 
     def _reach(self, tick: int) -> None:
-        """Close slots until `tick` falls in the open one, merging when they are all used."""
+        """Close the open slot once `tick` is past it, and widen the slots (merging pairs) until
+        `tick`'s own is within the capacity; the slots between are empty. A far jump merges the
+        slots with content only, fewer each time: never the empty ones it would add."""
         if tick < self._open_start + self.width:
             return
         for actor in self._actors:
             actor.close(self.width)
         self._full += 1
-        # Slots whose ticks all passed without a sample: added at once, merged as needed.
-        while True:
-            if self._full == self.capacity:
-                for actor in self._actors:
-                    actor.merge_pairs()
-                self._full //= 2
-                self.width *= 2
-            empty = (tick - self._open_start) // self.width
-            if self._full + empty < self.capacity:
-                break
-            fill = self.capacity - self._full
+        while tick // self.width >= self.capacity:
             for actor in self._actors:
-                actor.add_empty(fill)
-            self._full = self.capacity
+                actor.merge_pairs()
+            self._full = -(-self._full // 2)
+            self.width *= 2
+        empty = tick // self.width - self._full
         for actor in self._actors:
             actor.add_empty(empty)
         self._full += empty
@@ -205,16 +217,17 @@ class RewardTotals:
             raise ValueError("max_points must be at least 1")
         curves = []
         for name, slots in zip(actor_names, self._actors, strict=True):
-            sums, lows, highs = slots.slot_values(self.ticks, self.width)
-            per_bucket = max(1, -(-len(sums) // max_points))  # slots per point (ceiling division)
+            opened = slots.open_values(self.ticks, self.width)
+            count = self._full + (opened is not None)
+            per_bucket = max(1, -(-count // max_points))  # slots per point (ceiling division)
             ticks, reward_min, reward_max, returns = [], [], [], []
             total = 0.0
-            for start in range(0, len(sums), per_bucket):
-                end = start + per_bucket
+            for start in range(0, count, per_bucket):
+                bucket_sum, low, high = slots.bucket(start, start + per_bucket, opened)
                 ticks.append(start * self.width)
-                reward_min.append(min(lows[start:end]))
-                reward_max.append(max(highs[start:end]))
-                total += sum(sums[start:end])
+                reward_min.append(low)
+                reward_max.append(high)
+                total += bucket_sum
                 returns.append(total)
             curves.append(Curve(name, ticks, reward_min, reward_max, returns))
         return curves

@@ -326,7 +326,7 @@ class Console:
             returns = self._returns.get(row.trial_id)
             if returns is None and row.samples <= min(budget, RETURNS_TRIAL_SAMPLES):
                 budget -= row.samples
-                totals = RewardTotals(len(row.actors), max(2, row.samples))  # one slot per sample at most
+                totals = RewardTotals(len(row.actors), 2)  # returns are exact in any number of slots
                 await self._add_rewards(totals, row.trial_id, row.samples)
                 returns = returns_by_class(row.actors, totals.returns())
                 if row.state == "ended":
@@ -389,8 +389,10 @@ class Console:
         actors = actors_of(info)
         names = [actor.name for actor in actors]
         with self.curve_memory.reserved() as budget:
-            async for snapshot in self._follow_curves(trial_id, info, actors, names, budget, max_points):
-                yield snapshot
+            following = self._follow_curves(trial_id, info, actors, names, budget, max_points)
+            async with contextlib.aclosing(following) as snapshots:  # its read ends with this page
+                async for snapshot in snapshots:
+                    yield snapshot
 
     async def _follow_curves(
         self,
@@ -575,7 +577,10 @@ class Console:
             handle = reply.next_handle
             if not handle:
                 return Entries(rows, complete=True, with_health=True)
-        return Entries(rows, complete=False, with_health=True)
+        more = await self.sources.directory(
+            functools.partial(DirectoryClient.list_entries, count=1, handle=handle)
+        )
+        return Entries(rows, complete=not (more and more.entries), with_health=True)
 
     async def _inquired_entries(self) -> list[EntryRow]:
         """The healthy entries, by type (what inquiries answer)."""

@@ -27,7 +27,13 @@ from shared.errors import InvalidArgument, ServiceError, classify
 from shared.handlers import add_servicer, parse_request, pre_encoded
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, VersionStatusMixin
-from shared.validation import checked_name_size, checked_properties, checked_text
+from shared.validation import (
+    MAX_INT64_POSITION,
+    checked_name_size,
+    checked_properties,
+    checked_text,
+    parse_handle,
+)
 
 TOKEN_METADATA_KEY = "authentication-token"
 # Reserved property of discovery URLs; the orchestrator moves it to the metadata, the Python SDK
@@ -129,10 +135,14 @@ def listing_from_request(
         raise InvalidArgument(f"count [{request.count}] is over {LIST_MAX_COUNT}")
     if not request.handle:
         return request.count or LIST_DEFAULT_COUNT, None
-    registered_at, _, service_id = request.handle.partition(":")
-    if not (registered_at.isdecimal() and service_id.isdecimal()) or len(request.handle) > 40:
+    registered_at, colon, service_id = request.handle.partition(":")
+    if not (colon and registered_at and service_id):
         raise InvalidArgument(f"Invalid handle [{request.handle[:64]}]: give the next_handle of a reply")
-    return request.count or LIST_DEFAULT_COUNT, (int(registered_at), int(service_id))
+    position = (
+        parse_handle(registered_at, "handle", MAX_INT64_POSITION),
+        parse_handle(service_id, "handle", MAX_INT64_POSITION),
+    )
+    return request.count or LIST_DEFAULT_COUNT, position
 
 
 def directory_entry(entry: Entry) -> directory_entries_pb2.DirectoryEntry:

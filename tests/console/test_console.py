@@ -21,6 +21,7 @@ import grpc
 import httpx
 import pytest
 
+from services.console import views
 from services.console.app import build_app
 from services.console.decode import DecoderError, Decoders
 from services.console.service import ConfigurationError, ConsoleSettings
@@ -331,6 +332,32 @@ async def test_the_directory_page_shows_failing_entries_too(
     page = (await http.get("/directory")).text
     assert f'data-entry="{failing}"' not in page and f'data-entry="{permanent}" data-health="healthy"' in page
     assert "this directory does not list the others" in page
+
+
+async def test_the_directory_page_lists_the_newest_entries_at_most(
+    suite: ConsoleSuite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(views, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(views, "ENTRIES_PAGE", 2)
+
+    async def register(count: int) -> None:
+        permanent = directory_pb2.RegisterRequest(
+            endpoint=directory_pb2.ServiceEndpoint(
+                protocol=directory_pb2.ServiceEndpoint.GRPC, host="h", port=1
+            ),
+            details=directory_pb2.ServiceDetails(type=directory_pb2.ACTOR_SERVICE),
+            permanent=True,
+        )
+        for number in range(count):
+            permanent.details.properties["n"] = f"{number}-{secrets.token_hex(4)}"
+            replies = [r.status async for r in suite.directory.stub.Register(iter([permanent]))]
+            assert replies == [directory_pb2.RegisterReply.OK]
+
+    await register(3)  # exactly as many as shown: complete
+    assert text_of((await http.get("/")).text, "entries-count") == "3"
+    await register(1)
+    assert text_of((await http.get("/")).text, "entries-count") == "3+"
+    assert "The 3 newest are shown." in (await http.get("/directory")).text
 
 
 async def _not_served(*_args: object, **_kwargs: object) -> None:

@@ -93,7 +93,8 @@ async def test_every_entry_with_its_health_newest_first(directory_factory: Direc
         (1001, "", "count [1001] is over 1000"),
         (0, "not-a-handle", "Invalid handle [not-a-handle]"),
         (0, "12:", "Invalid handle [12:]"),
-        (0, "1" * 50 + ":1", "Invalid handle"),
+        (0, "12:x", "Invalid value for `handle` [x]"),
+        (0, "١٢:3", "Invalid value for `handle`"),  # decimal, but not ASCII
     ],
 )
 async def test_bad_listings_are_invalid_argument(
@@ -103,6 +104,12 @@ async def test_bad_listings_are_invalid_argument(
         await list_entries(directory, count=count, handle=handle)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in (raised.value.details() or "")
+
+
+async def test_a_handle_past_every_entry_answers_none(directory: RunningDirectory) -> None:
+    await register_ok(directory, request(ACTOR), token="t")
+    reply = await list_entries(directory, handle="9" * 30 + ":1", token="t")  # clamped, not INTERNAL
+    assert len(reply.entries) == 1 and reply.next_handle == ""
 
 
 async def test_the_client_tells_a_directory_without_the_listing() -> None:
