@@ -189,9 +189,10 @@ class RewardTotals:
             self._full = -(-self._full // 2)
             self.width *= 2
         empty = tick // self.width - self._full
-        for actor in self._actors:
-            actor.add_empty(empty)
-        self._full += empty
+        if empty:  # ticks without a sample were passed
+            for actor in self._actors:
+                actor.add_empty(empty)
+            self._full += empty
 
     def add(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
         tick = sample.tick_id
