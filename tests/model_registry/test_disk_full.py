@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from shared.api import model_registry_pb2 as mr
+from tests.helpers.registry import download, numbers, upload
 from tests.helpers.running import make_registry_factory
-from tests.model_registry.test_outages import download, numbers, upload
 
 BALLAST_BYTES = 8 * 1024 * 1024
 

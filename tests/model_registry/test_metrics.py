@@ -17,8 +17,8 @@ from services.model_registry.metrics import BLOB_OPERATIONS, blob_operation
 from shared.api import model_registry_pb2 as mr
 from tests.helpers.digest import sha256_b64
 from tests.helpers.exposed_metrics import delta, exposed, value
+from tests.helpers.registry import as_stream, chunks, create_model, create_version, version_data
 from tests.helpers.running import RunningRegistry, make_registry_factory
-from tests.model_registry.test_service import _stream, chunks, create_model, create_version, version_data
 
 P = "cogment_model_registry_"
 
@@ -36,7 +36,7 @@ async def registry(tmp_path: Path) -> AsyncIterator[RunningRegistry]:
 
 async def refused(r: RunningRegistry, messages: list[mr.CreateVersionRequestChunk]) -> grpc.StatusCode:
     with pytest.raises(grpc.aio.AioRpcError) as error:
-        await r.stub.CreateVersion(_stream(messages))  # type: ignore[arg-type]
+        await r.stub.CreateVersion(as_stream(messages))  # type: ignore[arg-type]
     code: grpc.StatusCode = error.value.code()
     return code
 

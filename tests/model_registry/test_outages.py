@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -15,44 +15,11 @@ import pytest
 from shared.api import model_registry_pb2 as mr
 from tests.fixtures.postgres import PostgresCluster, new_database_name
 from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
-from tests.helpers.digest import sha256_b64
 from tests.helpers.health import NOT_SERVING, SERVING, health, wait_for_health
-from tests.helpers.running import RunningRegistry, make_registry_factory
+from tests.helpers.registry import UPLOAD_CHUNK, WAIT_S, download, numbers, upload
+from tests.helpers.running import make_registry_factory
 
-CHUNK = 256 * 1024
 OUTAGE_S = 2.0
-WAIT_S = 30.0
-
-
-def upload_messages(model_id: str, data: bytes) -> list[mr.CreateVersionRequestChunk]:
-    info = mr.ModelVersionInfo(
-        model_id=model_id, archived=True, data_size=len(data), data_hash=sha256_b64(data)
-    )
-    return [mr.CreateVersionRequestChunk(header=mr.CreateVersionRequestChunk.Header(version_info=info))] + [
-        mr.CreateVersionRequestChunk(body=mr.CreateVersionRequestChunk.Body(data_chunk=data[i : i + CHUNK]))
-        for i in range(0, len(data), CHUNK)
-    ]
-
-
-async def upload(registry: RunningRegistry, model_id: str, data: bytes) -> int:
-    async def requests() -> AsyncIterator[mr.CreateVersionRequestChunk]:
-        for message in upload_messages(model_id, data):
-            yield message
-
-    reply = await registry.stub.CreateVersion(requests(), timeout=WAIT_S)
-    return int(reply.version_info.version_number)
-
-
-async def download(registry: RunningRegistry, model_id: str, number: int) -> bytes:
-    request = mr.RetrieveVersionDataRequest(model_id=model_id, version_number=number)
-    return b"".join(
-        [chunk.data_chunk async for chunk in registry.stub.RetrieveVersionData(request, timeout=WAIT_S)]
-    )
-
-
-async def numbers(registry: RunningRegistry, model_id: str) -> list[int]:
-    reply = await registry.stub.RetrieveVersionInfos(mr.RetrieveVersionInfosRequest(model_id=model_id))
-    return [info.version_number for info in reply.version_infos]
 
 
 async def expect_status(code: grpc.StatusCode, call: object) -> None:
@@ -81,7 +48,7 @@ async def test_postgresql_outage(faulty_postgres: PostgresCluster, tmp_path: obj
         await registry.stub.CreateOrUpdateModel(
             mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id="m"))
         )
-        first = secrets.token_bytes(3 * CHUNK)
+        first = secrets.token_bytes(3 * UPLOAD_CHUNK)
         assert await upload(registry, "m", first) == 1
         updates = registry.stub.VersionUpdate(mr.VersionUpdateRequest(model_id="m"))
         assert (await asyncio.wait_for(updates.read(), WAIT_S)).version_info.version_number == 1
@@ -89,12 +56,14 @@ async def test_postgresql_outage(faulty_postgres: PostgresCluster, tmp_path: obj
         faulty_postgres.pause()
         await wait_for_health(registry.channel, NOT_SERVING)
         assert await health(registry.channel, "liveness") == SERVING
-        await expect_status(grpc.StatusCode.UNAVAILABLE, upload(registry, "m", secrets.token_bytes(CHUNK)))
+        await expect_status(
+            grpc.StatusCode.UNAVAILABLE, upload(registry, "m", secrets.token_bytes(UPLOAD_CHUNK))
+        )
         await expect_status(grpc.StatusCode.UNAVAILABLE, download(registry, "m", 1))
         await asyncio.sleep(OUTAGE_S)
 
         faulty_postgres.resume()
-        second = secrets.token_bytes(2 * CHUNK)
+        second = secrets.token_bytes(2 * UPLOAD_CHUNK)
         recovered_s = await first_success(lambda: upload(registry, "m", second))
         print(f"model registry: first upload {recovered_s:.3f} s after PostgreSQL came back")
         await wait_for_health(registry.channel, SERVING)
@@ -126,12 +95,14 @@ async def test_blob_store_outage(faulty_seaweed_s3: SeaweedS3, tmp_path: object)
         await registry.stub.CreateOrUpdateModel(
             mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id="m"))
         )
-        first = secrets.token_bytes(3 * CHUNK)
+        first = secrets.token_bytes(3 * UPLOAD_CHUNK)
         assert await upload(registry, "m", first) == 1
 
         server.pause()
         await wait_for_health(registry.channel, NOT_SERVING)
-        await expect_status(grpc.StatusCode.UNAVAILABLE, upload(registry, "m", secrets.token_bytes(CHUNK)))
+        await expect_status(
+            grpc.StatusCode.UNAVAILABLE, upload(registry, "m", secrets.token_bytes(UPLOAD_CHUNK))
+        )
         await expect_status(grpc.StatusCode.UNAVAILABLE, download(registry, "m", 1))
         assert await numbers(registry, "m") == [1]  # metadata still answers; nothing partial
 
@@ -139,7 +110,7 @@ async def test_blob_store_outage(faulty_seaweed_s3: SeaweedS3, tmp_path: object)
         recovered_s = await first_success(lambda: download(registry, "m", 1))
         print(f"model registry: first download {recovered_s:.3f} s after SeaweedFS came back")
         await wait_for_health(registry.channel, SERVING)
-        second = secrets.token_bytes(2 * CHUNK)
+        second = secrets.token_bytes(2 * UPLOAD_CHUNK)
         assert await upload(registry, "m", second) == 2
         assert await download(registry, "m", 1) == first
         assert await download(registry, "m", 2) == second

@@ -15,56 +15,14 @@ from services.model_registry.blobstore import BlobNotFound
 from services.model_registry.servicer import data_chunk_frame
 from shared.api import model_registry_pb2 as mr
 from tests.helpers.digest import sha256_b64
+from tests.helpers.registry import CHUNK, as_stream, chunks, create_model, create_version, version_data
 from tests.helpers.running import RegistryFactory, RunningRegistry
-
-CHUNK = 2 * 1024 * 1024
 
 
 @pytest.fixture
 async def registry(registry_factory: RegistryFactory) -> AsyncIterator[RunningRegistry]:
     async with registry_factory() as running:
         yield running
-
-
-async def create_model(r: RunningRegistry, model_id: str, **user_data: str) -> None:
-    await r.stub.CreateOrUpdateModel(
-        mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id=model_id, user_data=user_data))
-    )
-
-
-def chunks(
-    model_id: str, data: bytes, *, archived: bool = True, size: int | None = None, hash_: str | None = None
-) -> list[mr.CreateVersionRequestChunk]:
-    info = mr.ModelVersionInfo(
-        model_id=model_id,
-        archived=archived,
-        data_size=len(data) if size is None else size,
-        data_hash="" if hash_ is None else hash_,
-        user_data={"k": "v"},
-    )
-    messages = [mr.CreateVersionRequestChunk(header=mr.CreateVersionRequestChunk.Header(version_info=info))]
-    messages += [
-        mr.CreateVersionRequestChunk(body=mr.CreateVersionRequestChunk.Body(data_chunk=data[i : i + CHUNK]))
-        for i in range(0, len(data), CHUNK)
-    ]
-    return messages
-
-
-async def _stream(items: list[mr.CreateVersionRequestChunk]) -> AsyncIterator[mr.CreateVersionRequestChunk]:
-    for item in items:
-        yield item
-
-
-async def create_version(
-    r: RunningRegistry, model_id: str, data: bytes, **kwargs: object
-) -> mr.ModelVersionInfo:
-    reply = await r.stub.CreateVersion(_stream(chunks(model_id, data, **kwargs)))  # type: ignore[arg-type]
-    return reply.version_info
-
-
-async def version_data(r: RunningRegistry, model_id: str, number: int) -> list[bytes]:
-    request = mr.RetrieveVersionDataRequest(model_id=model_id, version_number=number)
-    return [reply.data_chunk async for reply in r.stub.RetrieveVersionData(request)]
 
 
 async def infos(r: RunningRegistry, model_id: str, numbers: list[int] | None = None, count: int = 0,
@@ -145,7 +103,7 @@ async def test_rejected_uploads_leave_no_version(registry: RunningRegistry) -> N
         (chunks("unknown", data), grpc.StatusCode.NOT_FOUND),
     ]
     for messages, code in cases:
-        await expect_error(code, registry.stub.CreateVersion(_stream(messages)))  # type: ignore[arg-type]
+        await expect_error(code, registry.stub.CreateVersion(as_stream(messages)))  # type: ignore[arg-type]
     assert await infos(registry, "m") == ([], "0")
     assert (await create_version(registry, "m", data)).version_number == 1  # no gap
 
