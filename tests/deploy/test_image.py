@@ -49,6 +49,7 @@ from shared.db import MIGRATIONS_DIR
 from tests.datastore import test_sdk_interop as datastore_suite
 from tests.directory import test_sdk_interop as directory_suite
 from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
+from tests.helpers.eventually import wait_until
 from tests.helpers.helm import (
     POSTGRESQL_S3_VALUES,
     PROJECT_ROOT,
@@ -70,7 +71,6 @@ from tests.helpers.image import (
     missing_tools,
     run_container,
     stand_in_python_image,
-    wait_until,
 )
 from tests.helpers.running import RunningDatastore
 from tests.helpers.sdk import run_sdk_script
@@ -335,7 +335,7 @@ class ContainerRelease:
                 return http_get(self.ports[component], probe["httpGet"]["path"])[0] == 200
             return probe_serving(self.health_ports[component], probe["grpc"].get("service", ""))
 
-        wait_until(serving, deadline_s, f"{component}'s startup probe", interval_s=0.5)
+        wait_until(serving, f"{component}'s startup probe", deadline_s, interval_s=0.5)
         return running
 
     def save_logs(self) -> None:
@@ -520,7 +520,7 @@ def test_the_chart_containers_pass_the_sdk_suite(
             for kind in expected
         } == expected
 
-    wait_until(registered, 30, "registration in the chart's directory")
+    wait_until(registered, "registration in the chart's directory", 30, interval_s=0.2)
 
     # The official SDK's suites, as their own modules assert them (the logs are saved at the end).
     logs = {component: release.root / f"{component}.log" for component in release.containers}

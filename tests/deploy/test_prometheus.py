@@ -39,6 +39,7 @@ from tests.fixtures.postgres import PostgresCluster
 from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
 from tests.helpers.datastore import datalog_inputs, datalog_sample, send_acknowledged, trial_params
 from tests.helpers.digest import sha256_b64
+from tests.helpers.eventually import eventually
 from tests.helpers.fake_services import free_port
 from tests.helpers.helm import CHART_DIR, of_kind, render
 from tests.helpers.metrics import metrics_text
@@ -77,11 +78,8 @@ def scrape(service: RunningService) -> Samples:
 
 
 async def until(condition: Any, what: str, timeout_s: float = WAIT_S) -> None:
-    """Poll `condition()` (run in a thread) until it is true."""
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.2)
+    """`condition` (blocking: run in a thread) until it holds."""
+    await eventually(lambda: asyncio.to_thread(condition), what, timeout_s, interval_s=0.2)
 
 
 def metrics_target(service: RunningService) -> str:

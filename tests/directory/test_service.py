@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -35,20 +34,11 @@ from tests.helpers.directory import (
     request,
     visible_ids,
 )
+from tests.helpers.eventually import eventually
 from tests.helpers.fake_services import FakeCogmentService, FakeTcpService, free_port
 from tests.helpers.running import DirectoryFactory, RunningDirectory
 
 FAST_CHECKS = ("--health_check_interval", "0.2")
-
-
-async def eventually(condition: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if await condition():  # type: ignore[operator]
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 # ---- registration and inquiry ----

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.helpers.eventually import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -22,7 +23,9 @@ async def health(channel: grpc.aio.Channel, service: str = "") -> int:
 async def wait_for_health(channel: grpc.aio.Channel, status: int, service: str = "") -> float:
     """Seconds until `service` reports `status` (at most WAIT_S)."""
     started = time.monotonic()
-    while await health(channel, service) != status:
-        assert time.monotonic() - started < WAIT_S, f"health never became {status}"
-        await asyncio.sleep(0.05)
+
+    async def reached() -> bool:
+        return await health(channel, service) == status
+
+    await eventually(reached, f"health {status}", WAIT_S)
     return time.monotonic() - started

@@ -30,8 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,12 +366,3 @@ def chart_container_options(
     if container.get("command"):
         options += ["--entrypoint", json.dumps(list(container["command"]))]
     return options
-
-
-def wait_until(
-    condition: Callable[[], bool], timeout_s: float, what: str, *, interval_s: float = 0.2
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(interval_s)

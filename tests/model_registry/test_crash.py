@@ -45,6 +45,7 @@ from shared.db import Database
 from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage, registry_versions
 from tests.helpers.digest import sha256_b64
+from tests.helpers.eventually import eventually
 from tests.helpers.services import RunningService, start_service
 
 MiB = 1024 * 1024
@@ -204,10 +205,8 @@ async def slow_upload(stub: model_registry_pb2_grpc.ModelRegistrySPStub, model_i
 
 
 async def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+    """`condition` (blocking: run in a thread) until it holds."""
+    await eventually(lambda: asyncio.to_thread(condition), what, timeout_s, interval_s=0.02)
 
 
 # ---- storage, seen from outside ----

@@ -39,6 +39,7 @@ from shared.config import parse_options
 from shared.endpoints import SERVICE_TYPES
 from shared.logging import LEVELS
 from shared.version import COGMENT_API_VERSION, PACKAGE_VERSION
+from tests.helpers.eventually import wait_until
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import run_in_process
 from tests.helpers.services import PROJECT_ROOT, RunningService, clean_environment, start_service
@@ -73,18 +74,6 @@ def registration(host: str) -> directory_pb2.RegisterRequest:
         details=directory_pb2.ServiceDetails(type=directory_pb2.ENVIRONMENT_SERVICE),
         permanent=True,
     )
-
-
-def wait_for(produce: Callable[[], T], what: str, timeout_s: float = 10.0) -> T:
-    """The first truthy value of `produce()`, polled until `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = produce()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def rpc_lines(service: RunningService, rpc: str) -> list[dict[str, Any]]:
@@ -172,7 +161,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]
     directory = tmp_path_factory.mktemp("served")
     args = [*database_flags(directory), "--metrics_port", str(free_port())]
     with start_service(DIRECTORY, args, log_dir=directory) as service:
-        wait_for(lambda: service.events("serving metrics"), "the metrics endpoint")
+        wait_until(lambda: service.events("serving metrics"), "the metrics endpoint")
         yield service
 
 
@@ -501,7 +490,7 @@ def test_signal_drains_the_call_in_flight_then_exits_0(tmp_path: Path, sig: sign
 
         service.process.send_signal(sig)
         signalled = time.monotonic()
-        wait_for(lambda: service.events("shutting down"), "the shutting down event", 5)
+        wait_until(lambda: service.events("shutting down"), "the shutting down event", 5)
         # While the call drains, the port no longer accepts connections.
         with grpc.insecure_channel(service.address) as fresh:
             assert rpc_error_code(lambda: version(fresh, 2)) == grpc.StatusCode.UNAVAILABLE
@@ -612,7 +601,7 @@ def test_port_served_by_another_instance_is_taken(tmp_path: Path) -> None:
         args = ["--port", str(first.port), "--bind_address", "127.0.0.1", "--log_format", "json"]
         second = launch([*args, *database_flags(second_dir)], {}, stderr_path)
         try:
-            wait_for(
+            wait_until(
                 lambda: second.poll() is not None or '"serving"' in stderr_path.read_text(),
                 "the second instance to exit or serve",
                 30,
@@ -634,7 +623,7 @@ def test_debug_level_logs_one_line_per_call(served: RunningService) -> None:
         version(channel)
         stub = directory_pb2_grpc.DirectorySPStub(channel)
         rpc_error_code(lambda: list(stub.Inquire(EMPTY_INQUIRY, timeout=5)))
-    wait_for(
+    wait_until(
         lambda: (
             len(rpc_lines(served, VERSION)) >= versions_before + 2
             and len(rpc_lines(served, INQUIRE)) >= inquiries_before + 1
@@ -665,7 +654,7 @@ def test_info_level_logs_failed_calls_only(tmp_path: Path) -> None:
             stub.Status(common_pb2.StatusRequest(names=["*"]), timeout=5)
             assert list(stub.Inquire(MISSING, timeout=5)) == []
             rpc_error_code(lambda: list(stub.Inquire(EMPTY_INQUIRY, timeout=5)))
-        wait_for(lambda: service.events("rpc failed"), "the failed call's log line", 5)
+        wait_until(lambda: service.events("rpc failed"), "the failed call's log line", 5)
         assert service.events("rpc") == []
         [failed] = service.events("rpc failed")
         assert failed["rpc"] == INQUIRE and failed["code"] == "INVALID_ARGUMENT"
@@ -699,10 +688,10 @@ def test_log_level_and_format_from_environment_variables(tmp_path: Path, log_for
                 found = re.search(r"serving\s.*\bport=(\d+)", stderr_path.read_text())
                 return int(found.group(1)) if found else None
 
-        address = f"127.0.0.1:{wait_for(port, 'the serving log line', 30)}"
+        address = f"127.0.0.1:{wait_until(port, 'the serving log line', 30)}"
         with grpc.insecure_channel(address) as channel:
             version(channel)
-        wait_for(lambda: VERSION in stderr_path.read_text(), "the rpc log line", 5)
+        wait_until(lambda: VERSION in stderr_path.read_text(), "the rpc log line", 5)
     finally:
         assert stop_process(process) == 0
 
@@ -728,7 +717,7 @@ def test_every_documented_log_level_serves_and_filters(tmp_path: Path, level: st
     process = launch([*args, "--log_level", level, "--log_format", "json"], {}, stderr_path)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            wait_for(
+            wait_until(
                 lambda: process.poll() is not None or succeeds(lambda: version(channel, 1)), "serving", 30
             )
             stub = directory_pb2_grpc.DirectorySPStub(channel)
@@ -788,9 +777,9 @@ def test_log_file_receives_json_lines(tmp_path: Path) -> None:
             lines = json_lines(log_file) if log_file.read_text().endswith("\n") else []
             return next((int(line["port"]) for line in lines if line["event"] == "serving"), None)
 
-        with grpc.insecure_channel(f"127.0.0.1:{wait_for(port, 'the serving log line', 30)}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{wait_until(port, 'the serving log line', 30)}") as channel:
             version(channel)
-        wait_for(lambda: VERSION in log_file.read_text(), "the rpc log line", 5)
+        wait_until(lambda: VERSION in log_file.read_text(), "the rpc log line", 5)
     finally:
         assert stop_process(process) == 0
 
@@ -927,7 +916,7 @@ def test_a_bracketed_ipv6_wildcard_binds(tmp_path: Path) -> None:
     )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            wait_for(
+            wait_until(
                 lambda: process.poll() is not None or succeeds(lambda: version(channel, 1)), "serving", 30
             )
             assert process.poll() is None, (tmp_path / "e").read_text()
