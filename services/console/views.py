@@ -542,7 +542,7 @@ class Console:
         return models
 
     async def versions(self, model_id: str) -> list[VersionRow]:
-        if not await self.sources.registry(lambda c: c.has_model(model_id)):
+        if not await self.sources.registry(lambda c: c.model_exists(model_id)):
             raise NotFound(f"no model [{model_id}]")
         infos = await self.sources.registry(lambda c: c.list_versions(model_id))
         return [version_row(info) for info in reversed(infos)]

@@ -271,6 +271,20 @@ async def test_a_service_down_shows_as_down_and_the_others_work(tmp_path: Path) 
         await sources.close()
 
 
+async def test_a_model_page_is_a_503_not_a_404_while_the_registry_is_down(suite: ConsoleSuite) -> None:
+    sources = Sources(
+        SourceSettings(
+            f"grpc://{suite.directory.address}", f"grpc://127.0.0.1:{_closed_port()}", "", "", None
+        )
+    )
+    app = build_app(Console(sources, Decoders()), "")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as http:
+        for path in ("/models/policy", "/api/models/policy/events", "/models/policy/versions/1/data"):
+            answer = await http.get(path)
+            assert answer.status_code == 503 and "model registry is unavailable" in answer.text.lower(), path
+    await sources.close()
+
+
 def _closed_port() -> int:
     import socket
 

@@ -835,5 +835,5 @@ def test_without_the_dataset_extra_only_parquet_exports_are_refused() -> None:
     assert exported.returncode == 1, exported
     assert exported.stderr == (
         "Error: Parquet exports (--format parquet) need pyarrow and numpy: pip install "
-        "'cogment-aux[dataset]' (make install has them)\n"
+        "'cogment-aux[dataset]' (from a checkout: pip install -e '.[dataset]', or make install)\n"
     ), exported

@@ -58,7 +58,11 @@ function drawTrial() {
     document.getElementById("trial-returns").innerHTML = returnsText(snapshot.returns);
     status.textContent = snapshot.done ? `${snapshot.ticks} ticks.` : `${snapshot.ticks} ticks so far…`;
     const input = document.getElementById("tick-number");
-    if (input && snapshot.ticks > 0) input.max = String(snapshot.ticks - 1);
+    if (input && snapshot.ticks > 0) {
+      // The samples include late ones: the last tick is only known from the curves.
+      input.max = String(snapshot.ticks - 1);
+      document.getElementById("tick-last").disabled = false;
+    }
   };
   source.addEventListener("end", () => source.close());
   source.addEventListener("failure", (event) => { source.close(); status.textContent = `Stopped: ${JSON.parse(event.data)}`; status.className = "error"; });

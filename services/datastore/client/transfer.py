@@ -78,7 +78,7 @@ def require_dataset_extra() -> None:
     if dataset is None:
         raise ClientError(
             "Parquet exports (--format parquet) need pyarrow and numpy: pip install "
-            "'cogment-aux[dataset]' (make install has them)"
+            "'cogment-aux[dataset]' (from a checkout: pip install -e '.[dataset]', or make install)"
         )
 
 

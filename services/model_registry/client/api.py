@@ -132,6 +132,19 @@ class ModelRegistryClient(ServiceClient):
             return False
         return any(model.model_id == model_id for model in reply.model_infos)
 
+    async def model_exists(self, model_id: str) -> bool:
+        """Whether the model exists: False when the registry answers NOT_FOUND; any other failure
+        is raised (a registry that cannot answer is not one without the model)."""
+        try:
+            reply = await self.stub.RetrieveModels(
+                model_registry_pb2.RetrieveModelsRequest(model_ids=[model_id]), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+        return any(model.model_id == model_id for model in reply.model_infos)
+
     async def create_model(self, model_id: str, user_data: Mapping[str, str] | None = None) -> None:
         """Create the model, or replace its user data if it exists."""
         await self.stub.CreateOrUpdateModel(
