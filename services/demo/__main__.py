@@ -38,6 +38,7 @@ import re
 import secrets
 import shlex
 import sys
+import urllib.parse
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO, TypeVar
@@ -513,6 +514,10 @@ def print_report(report: DemoReport, values: Values, out: TextIO) -> None:
             print(f"  {command}", file=out)
         if environment is not None and values["directory_authentication_token"]:
             print("  (the inquiry with the same directory authentication token)", file=out)
+    if trials is not None:
+        # Where `make run` and `cogment-aux services all` serve the web console by default.
+        query = urllib.parse.urlencode({"properties": format_properties(trials.properties)})
+        print(f"\nIn a browser (the web console): http://127.0.0.1:9010/trials?{query}", file=out)
 
 
 def report_json(report: DemoReport) -> dict[str, Any]:

@@ -297,7 +297,13 @@ async def test_the_installed_command_and_its_text_output(suite: Suite, tmp_path:
         f"Recorded 2 trials of 6 ticks and 3 players in the trial datastore at {suite.datastore_endpoint}"
     )
     assert lines[0].startswith(recorded)
-    next_commands = lines[lines.index("Next, try:") + 1 :]
+    next_commands = lines[lines.index("Next, try:") + 1 : lines.index("", lines.index("Next, try:"))]
+    # Then the web console's page of these trials.
+    run_id = next_commands[0].split("run=")[1].split()[0]
+    assert lines[-1] == (
+        "In a browser (the web console): http://127.0.0.1:9010/trials?properties="
+        f"demo%3Dcogment-aux%2Crun%3D{run_id}"
+    )
     client = "  cogment-aux client"
     assert next_commands[0].startswith(
         f"{client} trial_datastore list_trials --properties demo=cogment-aux,run="
