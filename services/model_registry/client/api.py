@@ -125,12 +125,9 @@ class ModelRegistryClient(ServiceClient):
     async def has_model(self, model_id: str) -> bool:
         """Whether the model exists; any error means it does not (as in the SDK)."""
         try:
-            reply = await self.stub.RetrieveModels(
-                model_registry_pb2.RetrieveModelsRequest(model_ids=[model_id]), timeout=self.timeout_s
-            )
+            return await self.model_exists(model_id)
         except grpc.aio.AioRpcError:
             return False
-        return any(model.model_id == model_id for model in reply.model_infos)
 
     async def model_exists(self, model_id: str) -> bool:
         """Whether the model exists: False when the registry answers NOT_FOUND; any other failure
