@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from shared.config import Option, parse_options
-from shared.db import DEFAULT_DATA_DIR, Database, current_revision, default_database_url
+from shared.db import DEFAULT_DATA_DIR, Database, default_database_url
 from shared.errors import StartupError, classify, describe
 from shared.logging import configure_logging, get_logger, logging_options
 
@@ -31,8 +31,7 @@ OPTIONS = [
 async def migrate(database: Database) -> str | None:
     try:
         await database.migrate()
-        async with database.engine.connect() as connection:
-            return await connection.run_sync(current_revision)
+        return await database.revision()
     finally:
         await database.close()
 

@@ -12,10 +12,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Column, ColumnElement, Select, Table, Text, bindparam, cast, func, literal, select
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import Column, ColumnElement, Select, Table, Text, bindparam, func, literal, select
 from sqlalchemy.sql.selectable import TableValuedAlias
 
+from shared.db.sql import json_array_texts
 from shared.digest import pair_digest
 
 PAIRS = "pairs"
@@ -28,30 +28,27 @@ def parameters(properties: Mapping[str, str]) -> dict[str, Any]:
     return {PAIRS: json.dumps(digests), PAIR_COUNT: len(digests)}
 
 
-def digests_list(postgresql: bool, parameter: str = PAIRS) -> TableValuedAlias:
+def digests_list(parameter: str = PAIRS) -> TableValuedAlias:
     """The strings of the JSON array bound as `parameter`, as a table with one column, `value`."""
-    bound = bindparam(parameter, type_=Text)
-    if postgresql:
-        return func.jsonb_array_elements_text(cast(bound, JSONB)).table_valued("value")
-    return func.json_each(bound).table_valued("value")
+    return json_array_texts(bindparam(parameter, type_=Text)).table_valued("value")
 
 
-def includes_every_pair(table: Table, owner: Column[Any], postgresql: bool) -> ColumnElement[bool]:
+def includes_every_pair(table: Table, owner: Column[Any]) -> ColumnElement[bool]:
     """Whether the row whose id is `owner` has every pair of `parameters(...)`: `table` is a
     property table of (owner id, pair_digest) rows, its first column the owner's id."""
     owner_id = table.c[0]
     matching = (
         select(func.count())
-        .where(owner_id == owner, table.c.pair_digest.in_(select(digests_list(postgresql).c.value)))
+        .where(owner_id == owner, table.c.pair_digest.in_(select(digests_list().c.value)))
         .scalar_subquery()
     )
     return matching == bindparam(PAIR_COUNT)
 
 
-def capped_counts(table: Table, cap: int, postgresql: bool) -> Select[Any]:
+def capped_counts(table: Table, cap: int) -> Select[Any]:
     """(digest, how many rows have it, counting at most `cap`) for each digest of `parameters`:
     a count that stops at `cap` costs at most `cap` index entries, however common the pair."""
-    digests = digests_list(postgresql)
+    digests = digests_list()
     capped = (
         select(literal(1))
         .where(table.c.pair_digest == digests.c.value)

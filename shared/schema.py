@@ -69,6 +69,10 @@ directory_services = Table(
         postgresql_where=text("permanent"),
     ),
 )
+# The unique index a permanent registration upserts on.
+directory_services_permanent_identity = next(
+    index for index in directory_services.indexes if index.name == "uq_directory_services_permanent_identity"
+)
 
 # One row per property of an entry. Matching goes through `pair_digest`, the SHA-256 of the
 # (name, value) pair: exact, and indexable whatever the size of names and values (PostgreSQL

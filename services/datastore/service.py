@@ -83,7 +83,7 @@ class DatastoreService(Service[DatastoreSettings]):
     def __init__(self, settings: DatastoreSettings) -> None:
         super().__init__(settings)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
-        self.store = DatastoreStore(self.database, self.feed)
+        self.store = DatastoreStore(self.database)
         self.batcher = SampleBatcher(
             self.store,
             self.dependencies,

@@ -2,13 +2,14 @@
 
 Samples are stored serialized (`StoredTrialSample` bytes) in arrival order per trial, and the
 trial row keeps what reads need without counting or scanning: `samples_count`, `last_state` and
-whether the trial ended or its ingestion closed. Every write notifies the change feed (`trial:<seq>`
+whether the trial ended or its ingestion closed. Every write says what it changed (`trial:<seq>`
 for samples and deletions, `trials` for created or updated trials), so live readers in every
-replica look again.
+replica look again (see shared.notify).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,10 +30,10 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from services.datastore.model import SampleAppend, TrialCount, TrialProgress, TrialRecord, TrialStatus
+from services.datastore.sample_sql import SAMPLE_SQL
 from shared import property_match
 from shared.db import Database, Transaction, in_batches
 from shared.digest import pair_digest, sha256_hex
-from shared.notify import ChangeFeed
 from shared.schema import datastore_samples as samples
 from shared.schema import datastore_trial_properties as properties
 from shared.schema import datastore_trials as trials
@@ -103,75 +104,9 @@ _INSERT_PROPERTIES = insert(properties)
 
 
 class DatastoreStore:
-    def __init__(self, database: Database, feed: ChangeFeed) -> None:
+    def __init__(self, database: Database) -> None:
         self.db = database
-        self.feed = feed
-        # The ingestion statements run on the driver's cursor: SQLAlchemy's work per execution
-        # cost more than the database's own (and on PostgreSQL it runs on the event loop). On
-        # SQLite, in a transaction of their own too (`Database.write_direct`); on PostgreSQL they
-        # serve only the batches that hold one trial twice (two streams of it).
-        # A batch is three statements whatever its size (each statement is a hand-off of the GIL
-        # on the writer thread): the trials' counts, every sample, every trial's update. Sample
-        # numbers are taken from the counts read first, so the trials must stay locked from that
-        # read on: SQLite's write transaction locks the database (BEGIN IMMEDIATE), PostgreSQL's
-        # rows are locked by the read (FOR UPDATE, in trial order).
-        if database.is_postgresql:
-            self._lock_counts = (
-                f"SELECT trial_seq, samples_count FROM {trials.name} WHERE trial_seq = ANY(%s) "
-                "ORDER BY trial_seq FOR UPDATE"
-            )
-        else:
-            self._lock_counts = (
-                f"SELECT trial_seq, samples_count FROM {trials.name} "
-                "WHERE trial_seq IN (SELECT value FROM json_each(?))"
-            )
-        mark = "%s" if database.is_postgresql else "?"
-        self._bump_trial = (
-            f"UPDATE {trials.name} SET samples_count = samples_count + {mark}, "
-            f"last_state = COALESCE({mark}, last_state), ended = (ended OR {mark}), "
-            f"closed = (closed OR {mark}), lease_until = CASE WHEN {mark} THEN 0 ELSE lease_until END "
-            f"WHERE trial_seq = {mark}"
-        )
-        self._insert_samples = (
-            f"INSERT INTO {samples.name} (trial_seq, sample_seq, data) VALUES ({mark}, {mark}, {mark})"
-        )
-        # PostgreSQL: a whole batch in one statement, its own transaction, so one round trip on
-        # the database's direct connection (only the batcher's one task writes samples): every
-        # trial's UPDATE, the samples numbered from the counts it returns, and the change
-        # notification, which PostgreSQL delivers when the statement commits. The appends come as
-        # one JSON text, not an array per field: the driver's Python code that adapts a list cost
-        # more per statement than the rest of the batch's way there.
-        self._append_batch = f"""
-            WITH batch AS (
-                SELECT *, CAST(sum(added) OVER (ORDER BY position) - added AS bigint) AS data_offset
-                FROM ROWS FROM (
-                    json_to_recordset(%(appends)s::json)
-                        AS (trial_seq bigint, added bigint, last_state smallint, ended boolean, close boolean)
-                ) WITH ORDINALITY AS b (trial_seq, added, last_state, ended, close, position)
-            ), bumped AS (
-                UPDATE {trials.name} AS t SET
-                    samples_count = t.samples_count + b.added,
-                    last_state = COALESCE(b.last_state, t.last_state),
-                    ended = (t.ended OR b.ended),
-                    closed = (t.closed OR b.close),
-                    lease_until = CASE WHEN b.close THEN 0 ELSE t.lease_until END
-                FROM batch AS b WHERE t.trial_seq = b.trial_seq
-                RETURNING t.trial_seq, t.samples_count - b.added AS first, b.added, b.data_offset
-            ), inserted AS (
-                -- The data array holds the samples of every append, one append after the other.
-                INSERT INTO {samples.name} (trial_seq, sample_seq, data)
-                SELECT bumped.trial_seq, bumped.first + k.i - 1, d.data
-                FROM bumped CROSS JOIN LATERAL generate_series(1, bumped.added) AS k (i)
-                JOIN unnest(%(data)b::bytea[]) WITH ORDINALITY AS d (data, position)
-                    ON d.position = bumped.data_offset + k.i
-            ), notified AS (
-                -- A CTE with a side effect runs once; nothing to tell when no trial was there.
-                SELECT count(pg_notify(%(channel)s, payload)) AS sent
-                FROM json_array_elements_text(%(payloads)s::json) AS payload
-                WHERE EXISTS (SELECT FROM bumped)
-            )
-            SELECT bumped.trial_seq, bumped.first FROM bumped, notified
-            """
+        self._sql = database.by_dialect(SAMPLE_SQL)
         upsert = database.insert(trials)
         # `reopen`: a new ingestion stream starts, live readers wait for it again.
         self._upsert_trial = upsert.on_conflict_do_update(
@@ -231,7 +166,7 @@ class DatastoreStore:
             transaction.changed([TRIALS_KEY, samples_key(seq)])
             return seq
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)
 
     async def get_trials(self, trial_ids: Sequence[str]) -> dict[str, TrialRecord]:
         found: dict[str, TrialRecord] = {}
@@ -281,8 +216,7 @@ class DatastoreStore:
         ]
         parameters: dict[str, Any] = {}
         if trial_properties:
-            postgresql = self.db.is_postgresql
-            conditions.append(property_match.includes_every_pair(properties, trials.c.trial_seq, postgresql))
+            conditions.append(property_match.includes_every_pair(properties, trials.c.trial_seq))
             parameters = property_match.parameters(trial_properties)
         statement = select(*_TRIAL_COLUMNS).where(*conditions).order_by(trials.c.trial_seq)
         if not trial_ids:
@@ -309,61 +243,19 @@ class DatastoreStore:
             transaction.changed(samples_key(seq) for seq in deleted)
             return deleted
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)
 
     # ---- samples ----
 
     async def append(self, appends: Sequence[SampleAppend]) -> list[int | None]:
         """Store every append in one transaction. Returns, per append, the number of its first
         sample in the trial, or None if the trial no longer exists (its samples are dropped)."""
-        if not self.db.is_postgresql:
-            firsts = await self.db.write_direct(lambda cursor: self._append_on(cursor, appends))
-            self.feed.wake(samples_key(append.trial_seq) for append in appends)
-            return firsts
-        if len({append.trial_seq for append in appends}) == len(appends):
-            return await self._append_in_one_statement(appends)
-
-        def write(transaction: Transaction) -> list[int | None]:
-            cursor = transaction.connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-            try:
-                firsts = self._append_on(cursor, appends)
-            finally:
-                cursor.close()
-            transaction.changed(samples_key(append.trial_seq) for append in appends)
-            return firsts
-
-        return await self.db.write(write, self.feed)
-
-    def _append_on(self, cursor: Any, appends: Sequence[SampleAppend]) -> list[int | None]:
-        """The appends, in order, on a driver cursor inside a transaction."""
-        # One parameter holds every trial (an array, or a JSON list): no cap on its length.
-        seqs = sorted({append.trial_seq for append in appends})
-        cursor.execute(self._lock_counts, (seqs if self.db.is_postgresql else json.dumps(seqs),))
-        counts = {int(seq): int(count) for seq, count in cursor.fetchall()}
-        firsts: list[int | None] = []
-        rows: list[tuple[int, int, bytes]] = []
-        bumps: list[tuple[int, int | None, bool, bool, bool, int]] = []
-        for append in appends:
-            seq = append.trial_seq
-            first = counts.get(seq)
-            firsts.append(first)
-            if first is None:  # deleted: its samples are dropped
-                continue
-            added = len(append.samples)
-            counts[seq] = first + added
-            rows.extend((seq, first + index, data) for index, data in enumerate(append.samples))
-            bumps.append((added, append.last_state, append.ended, append.close, append.close, seq))
-        if rows:
-            cursor.executemany(self._insert_samples, rows)
-        if bumps:
-            cursor.executemany(self._bump_trial, bumps)
-        return firsts
-
-    async def _append_in_one_statement(self, appends: Sequence[SampleAppend]) -> list[int | None]:
         seqs = [append.trial_seq for append in appends]
-        keys = [samples_key(seq) for seq in seqs]
-        rows = await self.db.fetch_direct(
-            self._append_batch,
+        keys = [samples_key(seq) for seq in dict.fromkeys(seqs)]
+        if self._sql.append_batch is None or len(keys) < len(appends):
+            return await self.db.write_on_cursor(functools.partial(self._sql.append, appends=appends), keys)
+        rows = await self.db.write_statement(
+            self._sql.append_batch,
             {
                 "appends": json.dumps(
                     [
@@ -378,11 +270,9 @@ class DatastoreStore:
                     ]
                 ),
                 "data": [data for append in appends for data in append.samples],
-                "channel": self.feed.channel,
-                "payloads": json.dumps(self.feed.payloads(keys)),
             },
+            keys,
         )
-        self.feed.wake(keys)
         firsts = {int(seq): int(first) for seq, first in rows}
         return [firsts.get(seq) for seq in seqs]
 
@@ -405,7 +295,7 @@ class DatastoreStore:
             transaction.changed(samples_key(seq) for seq in closed)
             return closed
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)
 
     async def read_samples(self, trial_seq: int, first: int, limit: int) -> list[bytes]:
         rows = await self.db.fetch(_READ_SAMPLES, {"seq": trial_seq, "first": first, "limit": limit})

@@ -37,7 +37,7 @@ async def directory_key(configured: str | None, data_dir: str, store: DirectoryS
                 )
             await store.forget_stored_secret_key()
         return configured.encode("utf-8")
-    if store.db.is_postgresql:
+    if store.db.shared_between_hosts:
         if stored is None:
             stored = await store.create_stored_secret_key(secrets.token_urlsafe(32))
         log.warning(

@@ -124,10 +124,10 @@ class DirectoryService(Service[DirectorySettings]):
     def __init__(self, settings: DirectorySettings) -> None:
         super().__init__(settings)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
-        self.store = DirectoryStore(self.database, self.feed)
-        # On SQLite every change is heard from the start: this process's own, and other
-        # processes' by polling the file; on PostgreSQL once the feed listens.
-        self.index = FollowedIndex(self.store, listening=not self.database.is_postgresql)
+        self.store = DirectoryStore(self.database)
+        # On a database of one host (SQLite) every change is heard from the start: this process's
+        # own, and other processes' by polling the file; on a shared one once the feed listens.
+        self.index = FollowedIndex(self.store, listening=not self.database.shared_between_hosts)
         self.feed.follow(self.index)
         self.checker = HealthChecker(self.store, settings.health_check_interval)
         self._maintenance = Periodic("directory-maintenance", self._maintain, MAINTENANCE_PERIOD_S)
@@ -200,7 +200,7 @@ class DirectoryService(Service[DirectorySettings]):
                 entries_gauge.labels(type_name, health).set(counts.get((service_type, unhealthy), 0))
         analyzed = self._analyzed_at_count
         if (
-            self.database.is_postgresql
+            self.database.shared_between_hosts
             and total >= STATISTICS_MIN_ENTRIES
             and (analyzed is None or abs(total - analyzed) > STATISTICS_DRIFT * analyzed)
         ):

@@ -11,9 +11,8 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-import psycopg
 from sqlalchemy import (
     ColumnElement,
     Integer,
@@ -31,6 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
+from services.directory.entry_sql import NEW_ENTRIES_SQL
 from services.directory.model import (
     CHECK_LEASE_NS,
     MAX_SERVICE_ID,
@@ -48,10 +48,8 @@ from shared.digest import pair_digest, sha256_hex
 from shared.load import UNSERVICEABLE
 from shared.schema import directory_service_properties as properties_table
 from shared.schema import directory_services as services
+from shared.schema import directory_services_permanent_identity as permanent_identity
 from shared.schema import directory_settings as settings
-
-if TYPE_CHECKING:
-    from shared.notify import ChangeFeed
 
 SECRET_KEY_SETTING = "secret_key"
 # Token digests are keyed (HMAC) once this setting says so (see key_token_digests).
@@ -127,32 +125,6 @@ def _index_row(row: Sequence[Any]) -> IndexRow:
     return IndexRow(_entry(row[:-2]), row[-2], bool(row[-1]))
 
 
-@functools.cache
-def _insert_new_entries(service_columns: tuple[str, ...]) -> str:
-    """PostgreSQL: a batch's new (not permanent) entries, their properties and the change
-    notification in one statement, its own transaction: one round trip on the database's direct
-    connection, where a transaction took four through the event loop (BEGIN, the rows, the
-    notification, COMMIT). Each set of rows comes as one JSON parameter: an executemany costs the
-    client a statement's work per row. PostgreSQL delivers the notification when it commits."""
-
-    def rows(table: str, columns: Sequence[str], parameter: str) -> str:
-        names = ", ".join(columns)
-        return (
-            f"INSERT INTO {table} ({names}) SELECT {names} "
-            f"FROM jsonb_populate_recordset(NULL::{table}, %({parameter})s::jsonb)"
-        )
-
-    property_columns = [column.name for column in properties_table.columns]
-    return (
-        f"WITH inserted AS ({rows(services.name, service_columns, 'services')}), "
-        f"described AS ({rows(properties_table.name, property_columns, 'properties')}), "
-        # The INSERT CTEs always run; a SELECT CTE only if the main query reads it, as it does.
-        "notified AS (SELECT count(pg_notify(%(channel)s, payload)) AS sent "
-        "FROM json_array_elements_text(%(payloads)s::json) AS payload) "
-        "SELECT sent FROM notified"
-    )
-
-
 def _property_rows(service_id: int, registration: Registration) -> list[dict[str, Any]]:
     return [
         {"service_id": service_id, "pair_digest": pair_digest(name, value), "name": name, "value": value}
@@ -199,9 +171,9 @@ def _service_row(registration: Registration, token_digest: str, now_ns: int) -> 
 
 
 @functools.cache
-def _capped_counts_statement(postgresql: bool) -> Select[Any]:
+def _capped_counts_statement() -> Select[Any]:
     """How many entries have each inquired property, counting at most PROPERTY_COUNT_CAP."""
-    return property_match.capped_counts(properties_table, PROPERTY_COUNT_CAP, postgresql)
+    return property_match.capped_counts(properties_table, PROPERTY_COUNT_CAP)
 
 
 @functools.cache
@@ -244,7 +216,7 @@ def _load_page_statement() -> Select[Any]:
 
 
 @functools.cache
-def _matching_statement(typed: bool, properties: int, postgresql: bool) -> Select[Any]:
+def _matching_statement(typed: bool, properties: int) -> Select[Any]:
     """The entries an inquiry by details matches, of one shape (built once: only the parameters
     change, whatever the number of properties inquired); unordered. `properties`: how many are
     inquired, 0, 1, or 2 for two or more."""
@@ -270,9 +242,7 @@ def _matching_statement(typed: bool, properties: int, postgresql: bool) -> Selec
     if typed:
         conditions.append(func.coalesce(services.c.service_type, 0) == bindparam("service_type"))
     if properties > 1:
-        conditions.append(
-            property_match.includes_every_pair(properties_table, services.c.service_id, postgresql)
-        )
+        conditions.append(property_match.includes_every_pair(properties_table, services.c.service_id))
     return (
         select(*_ENTRY_COLUMNS)
         .select_from(candidates.join(services, candidates.c.service_id == services.c.service_id))
@@ -281,12 +251,12 @@ def _matching_statement(typed: bool, properties: int, postgresql: bool) -> Selec
 
 
 @functools.cache
-def _page_statement(typed: bool, properties: int, postgresql: bool) -> Select[Any]:
+def _page_statement(typed: bool, properties: int) -> Select[Any]:
     """A page of the matches, most recent first, from the position after (`before_at`,
     `before_id`), at most `rows`."""
     position = tuple_(services.c.registered_at, services.c.service_id)
     return (
-        _matching_statement(typed, properties, postgresql)
+        _matching_statement(typed, properties)
         .where(position < tuple_(bindparam("before_at"), bindparam("before_id")))
         .order_by(*_MOST_RECENT_FIRST)
         .limit(bindparam("rows", type_=Integer))
@@ -294,9 +264,9 @@ def _page_statement(typed: bool, properties: int, postgresql: bool) -> Select[An
 
 
 @functools.cache
-def _lowest_load_statement(typed: bool, properties: int, postgresql: bool) -> Select[Any]:
+def _lowest_load_statement(typed: bool, properties: int) -> Select[Any]:
     """The lowest load of the serviceable matches (None: there is none)."""
-    matches = _matching_statement(typed, properties, postgresql).subquery()
+    matches = _matching_statement(typed, properties).subquery()
     return select(func.min(matches.c.load)).where(matches.c.load < UNSERVICEABLE)
 
 
@@ -345,7 +315,7 @@ class _GroupCommit:
             results: list[tuple[int, str, bool] | BaseException]
             try:
                 results = list(await self._write(batch))
-            except (IntegrityError, psycopg.IntegrityError):
+            except IntegrityError:
                 # A service id collision (one chance in 2^63 per entry): redo them one by one,
                 # each with fresh ids, so one collision does not fail the others.
                 results = []
@@ -369,7 +339,7 @@ class _GroupCommit:
         for _ in range(ID_COLLISION_RETRIES):
             try:
                 return (await self._write([pending]))[0]
-            except (IntegrityError, psycopg.IntegrityError):
+            except IntegrityError:
                 continue
         return (await self._write([pending]))[0]
 
@@ -403,16 +373,17 @@ def _entry(row: Sequence[Any]) -> Entry:
 
 
 class DirectoryStore:
-    def __init__(self, database: Database, feed: ChangeFeed | None = None) -> None:
-        """`feed`: told of every change to an entry (its key: `entry_keys`)."""
+    def __init__(self, database: Database) -> None:
+        """Every change to an entry says so (its key: `entry_keys`; see shared.notify)."""
         self.db = database
-        self.feed = feed
-        self._new_adds = _GroupCommit(
-            self._insert_new if database.is_postgresql else self._write_in_transaction
-        )
-        self._permanent_adds = (
-            _GroupCommit(self._write_in_transaction) if database.is_postgresql else self._new_adds
-        )
+        # New entries in one statement, where the database has one: permanent ones, whose
+        # upserts take a round trip each, then go in batches of their own.
+        self._insert_new_sql = database.by_dialect(NEW_ENTRIES_SQL)
+        if self._insert_new_sql is None:
+            self._new_adds = self._permanent_adds = _GroupCommit(self._write_in_transaction)
+        else:
+            self._new_adds = _GroupCommit(self._insert_new)
+            self._permanent_adds = _GroupCommit(self._write_in_transaction)
         # Capped entry counts, with their monotonic expiry: per (name, value), and the last one
         # seen per name (the typical count of the name's values).
         self._pair_counts: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
@@ -465,7 +436,7 @@ class DirectoryStore:
             transaction.changed([ALL_ENTRIES_KEY])
             return len(digests)
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)
 
     async def add(self, registration: Registration, token_digest: str, now_ns: int) -> tuple[int, str, bool]:
         """Store a registration; returns (service id, secret nonce, created).
@@ -483,7 +454,7 @@ class DirectoryStore:
         return await adds.add(pending)
 
     async def _write_in_transaction(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
-        return await self.db.write(lambda transaction: self._write_adds(transaction, batch), self.feed)
+        return await self.db.write(lambda transaction: self._write_adds(transaction, batch))
 
     def _write_adds(self, transaction: Transaction, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
         results: list[tuple[int, str, bool]] = []
@@ -510,7 +481,8 @@ class DirectoryStore:
         return results
 
     async def _insert_new(self, batch: list[_PendingAdd]) -> list[tuple[int, str, bool]]:
-        """PostgreSQL: new entries (none permanent) in one statement."""
+        """New entries (none permanent) in one statement (`NEW_ENTRIES_SQL`)."""
+        assert self._insert_new_sql is not None
         rows = [_service_row(pending.registration, pending.token_digest, pending.now_ns) for pending in batch]
         properties = [
             row for pending, entry in zip(batch, rows, strict=True)
@@ -518,37 +490,20 @@ class DirectoryStore:
         ]  # fmt: skip
         results = [(int(row["service_id"]), str(row["secret_nonce"]), True) for row in rows]
         read_back, elsewhere = _changed_entries(batch, results)
-        feed = self.feed
-        payloads = feed.payloads([*read_back, *elsewhere]) if feed is not None else []
-        try:
-            await self.db.fetch_direct(
-                _insert_new_entries(tuple(rows[0])),
-                {
-                    "services": json.dumps(rows),
-                    "properties": json.dumps(properties),
-                    "channel": feed.channel if feed is not None else "",
-                    "payloads": json.dumps(payloads),
-                },
-            )
-        except Exception:
-            # The statement may have committed before its answer was lost (the connection broke):
-            # the other replicas then serve its entries, so this one reads them back too (the ids
-            # of entries that are not there read as nothing).
-            if feed is not None:
-                feed.wake([*read_back, *elsewhere])
-            raise
-        if feed is not None:
-            feed.wake(read_back)
+        await self.db.write_statement(
+            self._insert_new_sql(tuple(rows[0])),
+            {"services": json.dumps(rows), "properties": json.dumps(properties)},
+            read_back,
+            elsewhere=elsewhere,
+        )
         return results
 
     @functools.cached_property
     def _upsert_permanent(self) -> Any:
         """Insert a permanent entry, or update the permanent entry with the same identity."""
-        predicate = text("permanent") if self.db.is_postgresql else text("permanent = 1")
         statement = self.db.insert(services)
         return statement.on_conflict_do_update(
-            index_elements=[services.c.token_digest, services.c.service_type, services.c.properties_digest],
-            index_where=predicate,
+            **self.db.conflict_target(permanent_identity),
             set_={
                 "protocol": statement.excluded.protocol,
                 "host": statement.excluded.host,
@@ -578,7 +533,7 @@ class DirectoryStore:
                 transaction.changed(entry_keys([service_id]))
             return removed
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)
 
     async def find(self, inquiry: Inquiry, token_digest: str) -> AsyncIterator[list[Entry]]:
         """Healthy entries visible with this token that match the inquiry, most recent first, in
@@ -638,9 +593,7 @@ class DirectoryStore:
         ((lowest,),) = await self.db.fetch(_lowest_load_statement(*shape), parameters)
         return None if lowest is None else int(lowest)
 
-    async def _details(
-        self, inquiry: Inquiry, token_digest: str
-    ) -> tuple[tuple[bool, int, bool], dict[str, Any]]:
+    async def _details(self, inquiry: Inquiry, token_digest: str) -> tuple[tuple[bool, int], dict[str, Any]]:
         """The statement shape and parameters of an inquiry by details."""
         parameters: dict[str, Any] = {"token": token_digest, "service_type": inquiry.service_type}
         if inquiry.properties:
@@ -648,7 +601,7 @@ class DirectoryStore:
             parameters["driving"] = pair_digest(*await self._rarest(inquiry.properties))
         # 0, 1 or 2 properties and more: one needs no check beyond the driving property.
         inquired = min(len(inquiry.properties), 2)
-        shape = (inquiry.service_type != UNKNOWN_SERVICE, inquired, self.db.is_postgresql)
+        shape = (inquiry.service_type != UNKNOWN_SERVICE, inquired)
         return shape, parameters
 
     async def _rarest(self, properties: dict[str, str]) -> tuple[str, str]:
@@ -673,7 +626,7 @@ class DirectoryStore:
 
         unknown = {pair_digest(*pair): pair for pair in pairs if estimate(pair) is None}
         if unknown:
-            statement = _capped_counts_statement(self.db.is_postgresql)
+            statement = _capped_counts_statement()
             counts = await self.db.fetch(statement, property_match.parameters(dict(unknown.values())))
             expiry = now + PROPERTY_COUNT_TTL_S
             for digest, count in counts:
@@ -786,4 +739,4 @@ class DirectoryStore:
             transaction.changed(entry_keys(target.service_id for target, _ in results))
             return removed
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)

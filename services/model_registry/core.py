@@ -26,6 +26,7 @@ from shared.dependencies import Dependencies
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from shared.handlers import fitting_count
 from shared.logging import get_logger
+from shared.notify import ChangeFeed
 from shared.supervision import FailureStreak, Periodic, cancel_and_wait
 from shared.validation import MAX_INT32_POSITION, parse_handle, quoted
 
@@ -83,6 +84,7 @@ class ModelRegistry:
     def __init__(
         self,
         store: RegistryStore,
+        feed: ChangeFeed,
         blobs: BlobStore,
         *,
         cache_max_items: int,
@@ -91,6 +93,7 @@ class ModelRegistry:
         dependencies: Dependencies | None = None,
     ) -> None:
         self._store = store
+        self._feed = feed
         self._blobs = blobs
         self.cache_max_items = cache_max_items
         self.chunk_size = chunk_size
@@ -290,7 +293,7 @@ class ModelRegistry:
     async def version_updates(self, model_id: str) -> AsyncIterator[VersionInfo]:
         """The latest version at once (if any), then every newer one, until the caller stops.
 
-        One watch per model serves every stream of this process: the store's change feed wakes
+        One watch per model serves every stream of this process: the change feed wakes
         it when a version is created or the model deleted, here or through another replica
         (PostgreSQL LISTEN/NOTIFY). It stops with its last stream.
         """
@@ -298,7 +301,9 @@ class ModelRegistry:
             raise NotFound(f"unknown model id [{quoted(model_id)}]")
         watch = self._watches.get(model_id)
         if watch is None:
-            watch = self._watches[model_id] = _ModelWatch(self._store, self._dependencies, model_id)
+            watch = self._watches[model_id] = _ModelWatch(
+                self._store, self._feed, self._dependencies, model_id
+            )
         watch.streams += 1
         try:
             sent = 0
@@ -350,8 +355,11 @@ class ModelRegistry:
 class _ModelWatch:
     """The latest version number of one model, kept current for the streams that follow it."""
 
-    def __init__(self, store: RegistryStore, dependencies: Dependencies, model_id: str) -> None:
+    def __init__(
+        self, store: RegistryStore, feed: ChangeFeed, dependencies: Dependencies, model_id: str
+    ) -> None:
         self.store = store
+        self.feed = feed
         self.dependencies = dependencies
         self.model_id = model_id
         self.latest: int | None = 0
@@ -362,7 +370,7 @@ class _ModelWatch:
     async def _follow(self) -> None:
         # Watching before reading: a version committed in between still wakes the loop.
         streak = FailureStreak("following a model's versions", model_id=self.model_id)
-        with self.store.feed.watch([model_changes_key(self.model_id)]) as changes:
+        with self.feed.watch([model_changes_key(self.model_id)]) as changes:
             while True:
                 try:
                     latest = await self.store.latest_number(self.model_id)

@@ -108,13 +108,14 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
     def __init__(self, settings: ModelRegistrySettings) -> None:
         super().__init__(settings)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
-        self.store = RegistryStore(self.database, self.feed)
+        self.store = RegistryStore(self.database)
         try:
             self.blobs = blob_store(settings)
         except BlobStoreError as error:  # keys half given, an endpoint that is not one
             raise StartupError(str(error)) from None
         self.registry = ModelRegistry(
             self.store,
+            self.feed,
             self.blobs,
             cache_max_items=settings.cache_max_items,
             chunk_size=settings.sent_version_chunk_size,

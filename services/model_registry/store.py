@@ -10,12 +10,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Integer, bindparam, delete, false, func, insert, select, text, update
+from sqlalchemy import Integer, bindparam, delete, false, func, insert, select, update
 
 from services.model_registry.model import ModelInfo, VersionInfo, VersionRecord
 from shared.db import Database, Transaction, in_batches
+from shared.db.sql import binary_order
 from shared.digest import sha256_hex
-from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage as garbage
 from shared.schema import registry_models as models
 from shared.schema import registry_versions as versions
@@ -144,12 +144,11 @@ def model_changes_key(model_id: str) -> str:
 
 
 class RegistryStore:
-    """Every write that changes a model's versions notifies `feed` (see shared.notify), so
-    VersionUpdate streams in every replica look again."""
+    """Every write that changes a model's versions says so (`model_changes_key`), so
+    VersionUpdate streams in every replica look again (see shared.notify)."""
 
-    def __init__(self, database: Database, feed: ChangeFeed) -> None:
+    def __init__(self, database: Database) -> None:
         self.db = database
-        self.feed = feed
         self._insert_garbage = database.insert(garbage).on_conflict_do_nothing()
         upsert = database.insert(models)
         self._upsert_model = upsert.on_conflict_do_update(
@@ -182,8 +181,7 @@ class RegistryStore:
 
     async def list_models(self, offset: int, limit: int | None) -> list[ModelInfo]:
         """Models ordered by id, compared by code point (binary collation on both databases)."""
-        order = models.c.model_id.collate("C") if self.db.is_postgresql else models.c.model_id
-        statement = _LIST_MODELS_PAGE.order_by(order).offset(max(offset, 0))
+        statement = _LIST_MODELS_PAGE.order_by(binary_order(models.c.model_id)).offset(max(offset, 0))
         if limit is not None:
             statement = statement.limit(max(limit, 0))
         rows = await self.db.fetch(statement)
@@ -211,7 +209,7 @@ class RegistryStore:
             transaction.changed([model_changes_key(model_id)])
             return list(blob_keys)
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)
 
     # ---- Versions ----
 
@@ -270,7 +268,7 @@ class RegistryStore:
                 user_data=dict(user_data),
             )
 
-        return await self.db.write(write, self.feed)
+        return await self.db.write(write)
 
     async def get_version(self, model_id: str, version_number: int) -> VersionRecord | None:
         rows = await self.db.fetch(_GET_VERSION, {"key": model_key(model_id), "number": version_number})
@@ -314,14 +312,12 @@ class RegistryStore:
     async def evict_transient(self, max_items: int, garbage_after_ns: int) -> list[tuple[str, int, str]]:
         """Delete the least recently used transient versions beyond `max_items` (all models
         together), their blobs going to garbage; returns the (model id, number, blob key) evicted."""
-        is_postgresql = self.db.is_postgresql
         insert_garbage = self._insert_garbage
 
         def write(transaction: Transaction) -> list[tuple[str, int, str]]:
-            if is_postgresql:
-                # One evicting replica at a time: two would count the same excess and evict twice
-                # as many versions. Released at the end of the transaction.
-                transaction.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": EVICTION_LOCK_ID})
+            # One evicting replica at a time: two would count the same excess and evict twice as
+            # many versions. Released at the end of the transaction.
+            transaction.lock(EVICTION_LOCK_ID)
             excess = int(transaction.execute(_COUNT_TRANSIENT).scalar_one()) - max(max_items, 0)
             if excess <= 0:
                 return []

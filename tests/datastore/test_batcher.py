@@ -13,7 +13,6 @@ from services.datastore.metrics import DATALOG_API
 from services.datastore.store import DatastoreStore, SampleAppend
 from shared.api import common_pb2
 from shared.db import Database
-from shared.notify import ChangeFeed
 
 
 class RecordingStore(DatastoreStore):
@@ -30,7 +29,7 @@ class RecordingStore(DatastoreStore):
 async def store(database_url: str) -> AsyncIterator[RecordingStore]:
     database = Database(database_url)
     await database.migrate()
-    store = RecordingStore(database, ChangeFeed(database, "test"))
+    store = RecordingStore(database)
     store.batches = []
     yield store
     await database.close()

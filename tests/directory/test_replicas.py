@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -228,16 +228,18 @@ async def test_a_registration_committed_before_its_answer_was_lost_is_served_her
     commit (the connection broke)."""
     async with make_directory_factory(postgres_url)() as directory:
         database = directory.service.database
-        written = database.fetch_direct
+        written = database.dialect.statement
 
-        async def lost_after_commit(sql: str, parameters: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-            await written(sql, parameters)
+        async def lost_after_commit(
+            sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
+        ) -> list[tuple[Any, ...]]:
+            await written(sql, parameters, keys)
             raise psycopg.OperationalError("server closed the connection unexpectedly")
 
         await served_here_after_its_lost_answer(
             directory,
             request(properties={"answer": "lost"}),
-            lambda patch: patch.setattr(database, "fetch_direct", lost_after_commit),
+            lambda patch: patch.setattr(database.dialect, "statement", lost_after_commit),
         )
 
 

@@ -76,7 +76,7 @@ async def test_an_earlier_releases_database_keeps_its_tokens_and_secrets(
         assert await visible_ids(directory, token="old-token") == [service_id]
         digests, keys = await _stored(directory.service.database)
         assert digests != [sha256_hex("old-token")]  # keyed now
-        if directory.service.database.is_sqlite:
+        if not directory.service.database.shared_between_hosts:
             assert keys == []  # moved out, to the key file
             assert (tmp_path / "data" / KEY_FILE).read_text() == "the-old-key"
         (done,) = await deregister(directory, (service_id, issued_secret), token="old-token")

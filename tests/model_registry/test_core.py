@@ -43,8 +43,8 @@ async def registry(tmp_path: Path) -> AsyncIterator[Registry]:
     await feed.start()
     blobs = MemoryBlobStore()
     await blobs.start()
-    store = RegistryStore(database, feed)
-    core = ModelRegistry(store, blobs, cache_max_items=100, chunk_size=CHUNK)
+    store = RegistryStore(database)
+    core = ModelRegistry(store, feed, blobs, cache_max_items=100, chunk_size=CHUNK)
     try:
         yield Registry(core, store, blobs)
     finally:

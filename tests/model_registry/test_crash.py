@@ -252,7 +252,8 @@ async def collect_abandoned_uploads(storage: Storage, monkeypatch: pytest.Monkey
     try:
         await blobs.start()
         registry = ModelRegistry(
-            RegistryStore(database, ChangeFeed(database, CHANGE_CHANNEL)),
+            RegistryStore(database),
+            ChangeFeed(database, CHANGE_CHANNEL),
             blobs,
             cache_max_items=100,
             chunk_size=MiB,

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 import pytest
 from sqlalchemy import select
 
-from services.model_registry.service import CHANGE_CHANNEL
 from services.model_registry.store import (
     ModelInfo,
     RegistryStore,
@@ -17,7 +16,6 @@ from services.model_registry.store import (
     model_key,
 )
 from shared.db import Database
-from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage, registry_versions
 
 LONG_ID = "m" * 10_000
@@ -40,7 +38,7 @@ def store(db: Database) -> RegistryStore:
 
 
 def make_store(database: Database) -> RegistryStore:
-    return RegistryStore(database, ChangeFeed(database, CHANGE_CHANNEL))
+    return RegistryStore(database)
 
 
 async def _commit(

@@ -1,6 +1,7 @@
-"""The hot paths' own connections (`Database.write_direct` on SQLite, `fetch_direct` on
-PostgreSQL): a failure leaves nothing behind and the next call works, a lost connection is
-replaced, and a closed database answers at once instead of leaving its callers waiting."""
+"""The hot paths' own connections (`Database.write_on_cursor`, `write_statement`: SQLite's
+writer thread, PostgreSQL's direct connection): a failure leaves nothing behind and the next call
+works, a lost connection is replaced, and a closed database answers at once instead of leaving its
+callers waiting."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
 from shared.db import Database
 
@@ -22,7 +24,7 @@ CALL_LIMIT_S = 30.0
 @pytest.fixture
 async def sqlite_database(tmp_path: Path) -> AsyncIterator[Database]:
     database = Database(f"sqlite+aiosqlite:///{tmp_path / 'threads.db'}")
-    await database.write_direct(lambda cursor: cursor.execute("CREATE TABLE t (v INTEGER UNIQUE)"))
+    await database.write_on_cursor(lambda cursor: cursor.execute("CREATE TABLE t (v INTEGER UNIQUE)"), [])
     yield database
     await database.close()
 
@@ -38,33 +40,33 @@ async def test_a_failed_sqlite_transaction_leaves_nothing_and_the_next_one_works
         cursor.execute("INSERT INTO t VALUES (1)")
         cursor.execute("INSERT INTO t VALUES (1)")  # violates UNIQUE: the first is rolled back too
 
-    with pytest.raises(sqlite3.IntegrityError):
-        await asyncio.wait_for(sqlite_database.write_direct(insert_twice), CALL_LIMIT_S)
-    await sqlite_database.write_direct(lambda cursor: cursor.execute("INSERT INTO t VALUES (2)"))
-    assert await sqlite_database.write_direct(_rows) == [2]
+    with pytest.raises(IntegrityError):
+        await asyncio.wait_for(sqlite_database.write_on_cursor(insert_twice, []), CALL_LIMIT_S)
+    await sqlite_database.write_on_cursor(lambda cursor: cursor.execute("INSERT INTO t VALUES (2)"), [])
+    assert await sqlite_database.write_on_cursor(_rows, []) == [2]
 
 
 async def test_a_closed_database_fails_calls_at_once(sqlite_database: Database) -> None:
     await sqlite_database.close()
     with pytest.raises(ConnectionError, match="closed"):
-        await asyncio.wait_for(sqlite_database.write_direct(_rows), CALL_LIMIT_S)
+        await asyncio.wait_for(sqlite_database.write_on_cursor(_rows, []), CALL_LIMIT_S)
 
 
 async def test_a_postgresql_connection_that_was_lost_is_replaced(postgres_url: str) -> None:
     database = Database(postgres_url)
     try:
         backend = "SELECT pg_backend_pid()"
-        [(first_pid,)] = await database.fetch_direct(backend, {})
+        [(first_pid,)] = await database.write_statement(backend, {}, [])
         [(killed,)] = await database.fetch(text("SELECT pg_terminate_backend(:pid)"), {"pid": first_pid})
         assert killed
         with pytest.raises(psycopg.OperationalError):
-            await asyncio.wait_for(database.fetch_direct(backend, {}), CALL_LIMIT_S)
-        [(second_pid,)] = await asyncio.wait_for(database.fetch_direct(backend, {}), CALL_LIMIT_S)
+            await asyncio.wait_for(database.write_statement(backend, {}, []), CALL_LIMIT_S)
+        [(second_pid,)] = await asyncio.wait_for(database.write_statement(backend, {}, []), CALL_LIMIT_S)
         assert second_pid != first_pid
         await database.reset_connections()  # after an outage: a new connection for the next call
-        [(third_pid,)] = await asyncio.wait_for(database.fetch_direct(backend, {}), CALL_LIMIT_S)
+        [(third_pid,)] = await asyncio.wait_for(database.write_statement(backend, {}, []), CALL_LIMIT_S)
         assert third_pid != second_pid
     finally:
         await database.close()
     with pytest.raises(ConnectionError, match="closed"):
-        await asyncio.wait_for(database.fetch_direct("SELECT 1", {}), CALL_LIMIT_S)
+        await asyncio.wait_for(database.write_statement("SELECT 1", {}, []), CALL_LIMIT_S)

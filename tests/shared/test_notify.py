@@ -12,11 +12,14 @@ import pytest
 from sqlalchemy import text
 
 from shared.db import Database, Transaction
-from shared.notify import LISTEN_CHECK_PERIOD_S, SQLITE_POLL_PERIOD_S, ChangeFeed
+from shared.db.changes import Publication
+from shared.db.postgresql import LISTEN_CHECK_PERIOD_S
+from shared.db.sqlite import SQLITE_POLL_PERIOD_S
+from shared.notify import ChangeFeed
 
 
-async def _notify(database: Database, feed: ChangeFeed, keys: list[str]) -> None:
-    await database.write(lambda transaction: transaction.changed(keys), feed)
+async def _notify(database: Database, keys: list[str]) -> None:
+    await database.write(lambda transaction: transaction.changed(keys))
 
 
 @pytest.fixture
@@ -38,11 +41,11 @@ async def sqlite_feed(sqlite_url: str) -> AsyncIterator[ChangeFeed]:
 async def test_local_wake_reaches_only_watches_of_the_key(sqlite_feed: ChangeFeed) -> None:
     feed = sqlite_feed
     with feed.watch(["a"]) as watch_a, feed.watch(["b"]) as watch_b:
-        feed.wake(["a"])
+        feed.changed(["a"])
         assert await watch_a.wait(2)
         assert not await watch_b.wait(0.05)
         # A change notified before the wait is not lost.
-        feed.wake(["b"])
+        feed.changed(["b"])
         assert await watch_b.wait(0)
 
 
@@ -53,7 +56,7 @@ async def test_an_idle_watch_is_not_woken_without_a_change(sqlite_feed: ChangeFe
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(watch_b.wait(), 4 * SQLITE_POLL_PERIOD_S)
         # ...nor by this process's own commits of other keys.
-        await _notify(feed.database, feed, ["a"])
+        await _notify(feed.database, ["a"])
         assert await watch_a.wait(2)
         assert not await watch_b.wait(4 * SQLITE_POLL_PERIOD_S)
 
@@ -87,9 +90,9 @@ async def test_notifications_reach_other_replicas_only_once_committed(postgres_u
                 raise RuntimeError("roll back")
 
             with pytest.raises(RuntimeError):
-                await databases[0].write(rolled_back, feeds[0])
+                await databases[0].write(rolled_back)
             assert not await watch.wait(0.3)
-            await _notify(databases[0], feeds[0], ["trial:1", "trial:2"])
+            await _notify(databases[0], ["trial:1", "trial:2"])
             assert await watch.wait(2)
     finally:
         for feed, database in zip(feeds, databases, strict=True):
@@ -139,7 +142,7 @@ async def test_a_replica_listens_only_while_it_has_watches(postgres_url: str) ->
 async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str) -> None:
     databases = [Database(postgres_url) for _ in range(2)]
     listener = ChangeFeed(databases[1], "test")
-    notifier = ChangeFeed(databases[0], "test")
+    ChangeFeed(databases[0], "test")  # databases[0] then tells its commits on "test"
     try:
         await listener.start()
         with listener.watch(["k"]) as watch:
@@ -156,7 +159,7 @@ async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str)
             # Everyone is woken once listening again: changes meanwhile were not notified.
             assert await watch.wait(5)
             await asyncio.sleep(0.2)
-            await _notify(databases[0], notifier, ["k"])
+            await _notify(databases[0], ["k"])
             assert await watch.wait(5)
     finally:
         await listener.stop()
@@ -165,12 +168,13 @@ async def test_listening_resumes_after_the_connection_is_lost(postgres_url: str)
 
 
 def test_payloads_stay_under_postgresqls_limit() -> None:
-    feed = ChangeFeed(Database("sqlite+aiosqlite:///unused.db"), "test")
+    publication = Publication("test", ChangeFeed(Database("sqlite+aiosqlite:///unused.db"), "test"))
     keys = [f"trial:{index}" for index in range(3000)]
-    payloads = feed.payloads(keys + keys[:10])
+    payloads = publication.payloads(keys + keys[:10])
     assert len(payloads) > 1 and all(len(payload) < 8000 for payload in payloads)
     # Each ends with the origin: the sender skips its own notifications.
-    assert all(payload.split(",")[-1] == feed.origin for payload in payloads)
+    assert all(payload.split(",")[-1] == publication.origin for payload in payloads)
+    assert all(publication.received(payload) is None for payload in payloads)
     assert [key for payload in payloads for key in payload.split(",")[:-1]] == keys
 
 
@@ -196,12 +200,12 @@ async def test_followers_hear_each_commit_once_and_others_through_notifications(
             await feed.start()
         for follower in followers:  # listening began: anything may have changed before
             await _eventually(lambda follower=follower: follower.heard == [None])
-        await _notify(databases[0], feeds[0], ["entry:1", "entry:2"])
+        await _notify(databases[0], ["entry:1", "entry:2"])
         # The other replica hears it through PostgreSQL, the origin mark left out...
         await _eventually(lambda: followers[1].heard == [None, ["entry:1", "entry:2"]])
         # ...and the writer once, when it committed, not again when its own notification comes
         # back (the other replica's notification, sent after it, is heard: the writer's was before).
-        await _notify(databases[1], feeds[1], ["entry:3"])
+        await _notify(databases[1], ["entry:3"])
         await _eventually(lambda: followers[0].heard == [None, ["entry:1", "entry:2"], ["entry:3"]])
         assert followers[0].lost_count == followers[1].lost_count == 0
     finally:
@@ -232,7 +236,7 @@ async def test_a_write_whose_caller_was_cancelled_wakes_watchers_once_it_commits
         assert release.wait(10)
 
     with sqlite_feed.watch(["k"]) as watch:
-        writing = asyncio.create_task(sqlite_feed.database.write(slow, sqlite_feed))
+        writing = asyncio.create_task(sqlite_feed.database.write(slow))
         await asyncio.sleep(0.1)  # the writer thread is in the transaction
         writing.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -1,0 +1,256 @@
+"""PostgreSQL, shared by replicas: a pool for general work, a connection of its own for the hot
+paths, and notifications between replicas.
+
+A commit's keys are sent with `pg_notify` inside its transaction: PostgreSQL delivers them to
+every listening replica when it commits, never for a rollback. One connection per process
+LISTENs on the channel while the process's subscriber is hearing, and only then: every replica's
+commits notify every listening replica, which costs each of them CPU for every commit. That
+connection is checked every few seconds and re-established after a failure; since notifications
+sent while it did not listen are lost, the subscriber is told that anything may have changed
+once it listens (again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import psycopg
+from sqlalchemy import text
+from sqlalchemy.engine import URL, Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.sql.base import Executable
+
+from shared.db.changes import Publication
+from shared.db.dialect import Dialect, Hearing, rows_of
+from shared.db.threads import ConnectionThread
+from shared.supervision import FailureStreak, cancel_and_wait
+
+CONNECT_TIMEOUT_S = 5
+# Any constant works: it only has to be the same for every replica running migrations.
+MIGRATION_LOCK_ID = 0x636F676D656E74
+MAX_RECONNECT_DELAY_S = 0.5
+# How long the listening connection may stay silent before it is checked: a connection the network
+# dropped without a word would otherwise leave every waiter asleep.
+LISTEN_CHECK_PERIOD_S = 5.0
+
+_NOTIFY = text("SELECT pg_notify(:channel, :payload)")
+_DRIVER_NOTIFY = "SELECT pg_notify(%s, %s)"
+_LOCK = text("SELECT pg_advisory_xact_lock(:id)")
+
+T = TypeVar("T")
+
+
+def _direct_thread(conninfo: str) -> ConnectionThread[psycopg.Connection[Any]]:
+    """A thread with its own PostgreSQL connection, each statement its own transaction."""
+
+    def connect() -> psycopg.Connection[Any]:
+        # A statement in flight when the server's host went away must fail within seconds, not
+        # the OS's minutes: nothing else interrupts it. Keepalives, while it waits for an answer;
+        # the user timeout, while what it sent is not acknowledged.
+        return psycopg.Connection.connect(
+            conninfo,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+            tcp_user_timeout=10_000,
+        )
+
+    def dropped(connection: psycopg.Connection[Any]) -> psycopg.Connection[Any] | None:
+        connection.close()  # a failure may have left it anywhere: connect again
+        return None
+
+    return ConnectionThread("postgresql-direct", connect, dropped, lambda connection: connection.close())
+
+
+class PostgresqlDialect(Dialect):
+    name = "postgresql"
+    integrity_error = psycopg.IntegrityError
+    shared_between_hosts = True
+
+    def __init__(self, url: URL, pool_size: int) -> None:
+        # No pre-ping: it costs a round trip per checkout. A connection the server dropped fails
+        # one call, and SQLAlchemy then replaces the pool's connections; old ones are recycled.
+        self.engine = create_async_engine(
+            url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_recycle=1800,
+            # The most recently used connection first: libpq keeps each connection's buffers at
+            # the largest message it carried, so rotating through the pool (FIFO) left a
+            # batch-sized buffer in every connection (8 MiB sample batches: +500 MiB).
+            pool_use_lifo=True,
+            # A host that drops packets must fail a call in seconds, not the OS's minutes.
+            connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
+        )
+        # Single statements (most reads) run outside explicit transactions: each BEGIN and COMMIT
+        # is a round trip that a lone SELECT does not need.
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        # The URL as psycopg takes it, for the connections made without SQLAlchemy.
+        self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        # The hot paths: at a small batch per statement, SQLAlchemy's execution and the async
+        # driver's waits through the event loop cost more than the statement's round trip.
+        self._direct = _direct_thread(self.conninfo)
+
+    async def fetch(
+        self, statement: Executable, parameters: Mapping[str, Any] | None
+    ) -> Sequence[Sequence[Any]]:
+        async with self._autocommit.connect() as connection:
+            return rows_of(await connection.execute(statement, parameters))
+
+    async def transaction(self, run: Callable[[Connection], T], finished: Callable[[], None]) -> T:
+        try:
+            async with self.engine.connect() as connection:
+                return await connection.run_sync(run)
+        finally:
+            finished()
+
+    def _payloads(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        publication = self.publication
+        if publication is None or not keys:
+            return []
+        return [(publication.channel, payload) for payload in publication.payloads(keys)]
+
+    async def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> T:
+        notices = self._payloads(keys)
+
+        def run(connection: psycopg.Connection[Any]) -> T:
+            with connection.transaction(), connection.cursor() as cursor:
+                result = work(cursor)
+                for notice in notices:
+                    cursor.execute(_DRIVER_NOTIFY, notice)
+            return result
+
+        return await self._direct.submit(run)
+
+    async def statement(
+        self, sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
+    ) -> list[tuple[Any, ...]]:
+        """In a pipeline: the statement and its notifications go in one message and form one
+        implicit transaction (up to the pipeline's one Sync), so one round trip."""
+        notices = self._payloads(keys)
+
+        def run(connection: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+            with connection.cursor() as cursor:
+                with connection.pipeline():
+                    cursor.execute(sql, parameters)
+                    for notice in notices:
+                        connection.execute(_DRIVER_NOTIFY, notice)
+                return cursor.fetchall()
+
+        return await self._direct.submit(run)
+
+    def notify(self, connection: Connection, keys: Sequence[str]) -> None:
+        for channel, payload in self._payloads(keys):
+            connection.execute(_NOTIFY, {"channel": channel, "payload": payload})
+
+    def lock(self, connection: Connection, lock_id: int) -> None:
+        connection.execute(_LOCK, {"id": lock_id})
+
+    def hearing(self, publication: Publication) -> Hearing:
+        return _Listener(self.conninfo, publication)
+
+    async def migrate(self, upgrade: Callable[[Connection], None]) -> None:
+        async with self.engine.connect() as connection:
+            # Session-level lock, held across alembic's own transactions.
+            await connection.execute(text("SELECT pg_advisory_lock(:id)"), {"id": MIGRATION_LOCK_ID})
+            await connection.commit()
+            try:
+                await connection.run_sync(upgrade)
+                await connection.commit()
+            finally:
+                await connection.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": MIGRATION_LOCK_ID})
+                await connection.commit()
+
+    def reset(self) -> None:
+        self._direct.reset()
+
+    def close(self, timeout_s: float) -> None:
+        self._direct.close(timeout_s)
+
+
+class _Listener(Hearing):
+    def __init__(self, conninfo: str, publication: Publication) -> None:
+        super().__init__()
+        self._conninfo = conninfo
+        self._publication = publication
+        self._task: asyncio.Task[None] | None = None
+        # Set when the subscriber begins hearing: the listener LISTENs only while it hears.
+        self._wanted = asyncio.Event()
+
+    def wanted(self) -> None:
+        self._wanted.set()
+
+    async def start(self) -> None:
+        """Returns once the listening connection is open, or could not be: it is retried in the
+        background."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._listen(), name=f"listen-{self._publication.channel}"
+        )
+        await self.listening.wait()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+
+    async def _listen(self) -> None:
+        streak = FailureStreak("listening for changes", channel=self._publication.channel)
+        while True:
+            try:
+                connect = psycopg.AsyncConnection.connect(
+                    self._conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
+                )
+                async with await connect as connection:
+                    if streak.failures:
+                        streak.succeeded()
+                    self.listening.set()
+                    await self._follow(connection)
+            except (psycopg.Error, OSError, asyncio.TimeoutError) as error:
+                self._publication.subscriber.lost()
+                # Retried often: until it is back, other replicas' writes reach readers late.
+                delay = min(streak.failed(error), MAX_RECONNECT_DELAY_S)
+                self.listening.set()  # start-up must not hang on an unreachable database
+                await asyncio.sleep(delay)
+
+    async def _follow(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        """LISTEN while the subscriber hears, and only then. Listening begins after a watch may
+        have read the tables, so the subscriber is told that anything may have changed then (as
+        after a lost connection: what was notified meanwhile was missed). The connection is
+        checked whenever it stayed silent for LISTEN_CHECK_PERIOD_S."""
+        subscriber = self._publication.subscriber
+        channel = self._publication.channel
+        listening = False
+        while True:
+            self._wanted.clear()  # before looking: a watch that begins from now on sets it
+            if not subscriber.hearing:
+                if listening:
+                    await connection.execute(f'UNLISTEN "{channel}"')
+                    listening = False
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wanted.wait(), LISTEN_CHECK_PERIOD_S)
+                if not subscriber.hearing:
+                    await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
+                    continue
+            if not listening:
+                await connection.execute(f'LISTEN "{channel}"')
+                listening = True
+                subscriber.changed(None)
+            silent = True
+            async with contextlib.aclosing(
+                connection.notifies(timeout=LISTEN_CHECK_PERIOD_S)
+            ) as notifications:
+                async for notification in notifications:
+                    silent = False
+                    keys = self._publication.received(notification.payload)
+                    if keys is not None:
+                        subscriber.changed(keys)
+                    if not subscriber.hearing:
+                        break
+            if silent:
+                await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
