@@ -49,7 +49,7 @@ GROUPS: Mapping[str, tuple[str, Mapping[str, Target]]] = {
     "client": ("talk to a running service", CLIENTS),
 }
 COMMANDS: Mapping[str, Target] = {
-    "demo": Target("services.demo.__main__", "record demo trials, publish a policy's versions, register"),
+    "demo": Target("services.demo.cli", "record demo trials, publish a policy's versions, register"),
     "migrate": Target("shared.migrate", "apply the schema migrations to a database, then exit"),
 }
 

@@ -27,12 +27,13 @@ from shared import metrics
 from shared.config import Option, parse_options
 from shared.db import Database
 from shared.dependencies import Dependencies
+from shared.directory_registration import DirectoryRegistration
 from shared.endpoints import ServiceType
 from shared.errors import StartupError, classify, describe
 from shared.load import LoadMonitor
 from shared.logging import configure_logging, get_logger
 from shared.observer import ObservabilityInterceptor
-from shared.registration import DirectoryRegistration, RegistrationSettings
+from shared.registration import RegistrationSettings
 from shared.runtime import ServiceRuntime
 from shared.settings import ServerSettings
 from shared.tls_files import ca_error, key_pair_error

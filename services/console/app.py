@@ -30,8 +30,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from services.console.errors import Busy, NotFound
+from services.console.model_pages import version_row
 from services.console.sources import Unavailable
-from services.console.views import Busy, Console, NotFound, version_row
+from services.console.views import Console
 from shared.client import ClientError
 from shared.endpoints import parse_properties
 from shared.logging import get_logger

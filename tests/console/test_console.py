@@ -21,12 +21,13 @@ import grpc
 import httpx
 import pytest
 
-from services.console import views
+from services.console import directory_pages
 from services.console.app import build_app
 from services.console.decode import DecoderError, Decoders
+from services.console.errors import Busy
 from services.console.service import ConfigurationError, ConsoleSettings
 from services.console.sources import Sources, SourceSettings
-from services.console.views import MIN_CURVE_BYTES, TRIAL_CURVE_BYTES, Busy, Console
+from services.console.views import MIN_CURVE_BYTES, TRIAL_CURVE_BYTES, Console
 from services.datastore.client.api import DatastoreClient
 from services.directory.client.api import DirectoryClient
 from services.model_registry.client.api import ModelRegistryClient
@@ -351,8 +352,8 @@ async def test_the_directory_page_shows_failing_entries_too(
 async def test_the_directory_page_lists_the_newest_entries_at_most(
     suite: ConsoleSuite, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(views, "MAX_ENTRIES", 3)
-    monkeypatch.setattr(views, "ENTRIES_PAGE", 2)
+    monkeypatch.setattr(directory_pages, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(directory_pages, "ENTRIES_PAGE", 2)
 
     async def register(count: int) -> None:
         permanent = directory_pb2.RegisterRequest(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.demo.__main__ import main
+from services.demo.cli import main
 from tests.helpers.running import RunningDatastore, RunningDirectory, RunningRegistry
 from tests.helpers.services import PROJECT_ROOT, clean_environment
 

@@ -21,10 +21,12 @@ import pytest
 
 from services.datastore.client.api import DatastoreClient
 from services.datastore.client.cli import main as datastore_cli
-from services.demo.__main__ import OPTIONS, Clients, TrialsReport, main, next_commands
 from services.demo.api import spec_pb2
+from services.demo.cli import OPTIONS, main
 from services.demo.orchestration import ENVIRONMENT_IMPLEMENTATION, TrialCounts, TrialPlan, players_of
 from services.demo.publishing import DEFAULT_MODEL_ID, local_policies
+from services.demo.report import TrialsReport
+from services.demo.run import Clients, next_commands
 from services.demo.world import GOAL_BONUS, STAGES, THANKS_VALUE, policy_weights, trial_seed
 from services.model_registry.client.api import ModelRegistryClient
 from shared.api import common_pb2, directory_pb2, model_registry_pb2

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from services.datastore.client.api import DatastoreClient
-from services.demo.__main__ import main
+from services.demo.cli import main
 from services.demo.orchestration import TrialPlan, players_of
 from services.demo.publishing import DEFAULT_MODEL_ID, local_policies
 from services.demo.recording import DatalogRecorder

@@ -1,5 +1,6 @@
-"""Self-registration in a directory (`shared.registration`), against a real in-process directory
-and a stand-in service answering the directory's health checks."""
+"""Self-registration in a directory (`shared.registration`, `shared.directory_registration`,
+`shared.host_discovery`), against a real in-process directory and a stand-in service answering
+the directory's health checks."""
 
 from __future__ import annotations
 
@@ -14,20 +15,15 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-import shared.registration as registration_module
+import shared.directory_registration as registration_module
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
 from shared.channel import ClientTls
 from shared.config import parse_options
+from shared.directory_registration import SOURCE_COMMAND_LINE, SOURCE_IMPLICIT, DirectoryRegistration
 from shared.endpoints import ServiceType, parse_grpc_endpoint
 from shared.errors import StartupError
-from shared.registration import (
-    SOURCE_COMMAND_LINE,
-    SOURCE_IMPLICIT,
-    DirectoryRegistration,
-    RegistrationSettings,
-    discover_host,
-    registration_options,
-)
+from shared.host_discovery import discover_host
+from shared.registration import RegistrationSettings, registration_options
 from shared.version import PACKAGE_VERSION
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import DirectoryFactory, RunningDirectory
