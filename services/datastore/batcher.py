@@ -1,19 +1,9 @@
-"""Group commit of ingested samples: many streams' samples, one transaction.
+"""Group commit of ingested samples (see shared.group_commit): many streams' samples, one
+transaction, at most one starting every `interval_s` (10 ms).
 
-Each ingestion stream adds its samples to its own `IngestionBuffer`; one task writes: while a
-transaction runs, samples accumulate; the next transaction takes what every buffer holds, up to
-`max_samples` samples (and about `max_bytes` bytes). Batches are therefore bounded in size, and
-a sample waits at most for the transaction under way, the interval (below) and its own
-transaction. A buffer's samples are taken in order and one transaction runs at a time, so each
-trial's samples keep their order.
-
-Transactions start at most every `interval_s` (unless a full batch waits): a steady flow of
-samples at the orchestrator's pace (a few hundred a second over many streams) would otherwise
-commit them one by one, each transaction's fixed cost (CPU in the database and here, a page
-or more written) paid per sample. A sample arriving after a quiet spell is written at once.
-
-Buffers count what is committed: a stream acknowledges that many (an acknowledged sample is
-durable). Bookkeeping is per buffer and per batch, not per sample: at thousands of samples a
+Each ingestion stream adds its samples to its own `IngestionBuffer`, which the group commit takes
+them from. Buffers count what is committed: a stream acknowledges that many (an acknowledged sample
+is durable). Bookkeeping is per buffer and per batch, not per sample: at thousands of samples a
 second, per-sample futures would cost the event loop more than the conversion does.
 
 What is received and not yet committed is bounded, per stream (`max_stream_samples`,
@@ -25,9 +15,7 @@ its sender back. A stream may go over by the one message it was reading when the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import deque
 from collections.abc import Awaitable
 
 from services.datastore import metrics
@@ -35,8 +23,8 @@ from services.datastore.model import ENDED, NO_STATE, SampleAppend
 from services.datastore.store import DatastoreStore
 from shared.dependencies import Dependencies
 from shared.errors import classify
+from shared.group_commit import GroupCommit
 from shared.logging import get_logger
-from shared.supervision import Supervised
 
 DEFAULT_MAX_SAMPLES = 1000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
@@ -54,14 +42,45 @@ class TrialMissing(Exception):
     """The trial was deleted while samples were on their way."""
 
 
-class IngestionBuffer:
-    """One ingestion stream's samples on their way to the database."""
+class InFlightBytes:
+    """Bytes received by every stream and not yet committed (nor failed), and the streams
+    waiting for room."""
 
-    def __init__(self, batcher: SampleBatcher, trial_seq: int, api: str) -> None:
+    def __init__(self) -> None:
+        self.count = 0
+        self._waiters: set[asyncio.Event] = set()
+
+    def released(self, size: int) -> None:
+        self.count -= size
+        if size:
+            for waiter in self._waiters:
+                waiter.set()
+
+    async def wait_for_room(self, woken: asyncio.Event) -> None:
+        """Until something was committed or failed, by any stream (or `woken` was set)."""
+        self._waiters.add(woken)
+        try:
+            await woken.wait()
+        finally:
+            self._waiters.discard(woken)
+            woken.clear()
+
+
+class IngestionBuffer:
+    """One ingestion stream's samples on their way to the database (a group commit `Source`)."""
+
+    def __init__(
+        self,
+        commit: GroupCommit[IngestionBuffer, SampleAppend],
+        in_flight: InFlightBytes,
+        trial_seq: int,
+        api: str,
+    ) -> None:
         self.trial_seq = trial_seq
         # The ingestion service the samples come through (the metrics' `api` label).
         self.api = api
-        self._batcher = batcher
+        self._commit = commit
+        self._process_in_flight = in_flight
         self._samples: list[bytes] = []
         # Per pending sample, the state it sets in its trial (NO_STATE: none).
         self._states: list[int] = []
@@ -91,8 +110,12 @@ class IngestionBuffer:
     def in_flight(self) -> int:
         return self.submitted - self.committed
 
+    @property
+    def dropped(self) -> bool:
+        return self.failure is not None  # what it still holds must not be written after a gap
+
     def add(self, data: bytes, state: int) -> None:
-        # Once per sample: the batcher's counters are updated here rather than through calls.
+        # Once per sample: counters updated in place rather than through calls.
         size = len(data)
         if not self._samples:
             self.arrived = time.monotonic()
@@ -101,20 +124,20 @@ class IngestionBuffer:
         self.submitted += 1
         self.in_flight_bytes += size
         self.pending_bytes += size
-        self._batcher.in_flight_bytes += size
+        self._process_in_flight.count += size
         if not self.queued:
-            self._batcher.schedule(self)
+            self._commit.schedule(self)
 
     def close(self) -> None:
         """After the samples added so far: the ingestion stream closed."""
         self._closing = True
-        self._batcher.schedule(self)
+        self._commit.schedule(self)
 
     def has_work(self) -> bool:
         return bool(self._samples) or (self._closing and not self._close_taken)
 
-    def take(self, limit: int) -> tuple[SampleAppend, int]:
-        """The next append (at most `limit` samples), and its size in bytes."""
+    def take(self, limit: int) -> tuple[SampleAppend, int, int]:
+        """The next append (at most `limit` samples), its samples and its size in bytes."""
         if len(self._samples) <= limit:  # usually: everything pending, its lists handed over
             samples, states, size = self._samples, self._states, self.pending_bytes
             self._samples, self._states = [], []
@@ -128,19 +151,19 @@ class IngestionBuffer:
         close = self._closing and not self._samples
         self._close_taken = self._close_taken or close
         self.pending_bytes -= size
-        return SampleAppend(self.trial_seq, samples, last_state, ENDED in states, close), size
+        return SampleAppend(self.trial_seq, samples, last_state, ENDED in states, close), len(samples), size
 
     def stored(self, append: SampleAppend, size: int) -> None:
         self.committed += len(append.samples)
         self.closed = self.closed or append.close
         self.in_flight_bytes -= size
-        self._batcher.released(size)
+        self._process_in_flight.released(size)
         self.progressed.set()
 
     def failed(self, error: Exception) -> None:
         self.failure = error
         # Nothing more of this stream is written: what it held no longer counts.
-        self._batcher.released(self.in_flight_bytes)
+        self._process_in_flight.released(self.in_flight_bytes)
         self.in_flight_bytes = 0
         self.progressed.set()
 
@@ -160,127 +183,45 @@ class SampleBatcher:
     ) -> None:
         self._store = store
         self._dependencies = dependencies or Dependencies([])
-        self.max_samples = max_samples
-        self.max_bytes = max_bytes
         self.max_stream_samples = max_stream_samples
         self.max_stream_bytes = max_stream_bytes
         self.max_in_flight_bytes = max_in_flight_bytes
-        self.interval_s = interval_s
-        # When the last transaction started (the event loop's time).
-        self._last_start = -interval_s
-        # Bytes received by every stream and not yet committed, and the streams waiting for room.
-        self.in_flight_bytes = 0
-        self._room_waiters: set[asyncio.Event] = set()
-        self._queue: deque[IngestionBuffer] = deque()
-        self._ready = asyncio.Event()
-        self._writer = Supervised("sample-writer", self._write_forever)
-        self._started = False
-        self._stopping = False
+        self._in_flight = InFlightBytes()
+        self._commit: GroupCommit[IngestionBuffer, SampleAppend] = GroupCommit(
+            "sample-writer", self._write, max_items=max_samples, max_bytes=max_bytes, interval_s=interval_s
+        )
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Bytes received by every stream and not yet committed."""
+        return self._in_flight.count
 
     def start(self) -> None:
-        self._writer.start()
-        self._started = True
+        self._commit.start()
 
     async def stop(self) -> None:
         """Write what is pending (what cannot be written within STOP_TIMEOUT_S, e.g. during an
         outage, was never acknowledged), then stop."""
-        if not self._started:
-            return
-        self._stopping = True
-        self._ready.set()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._writer.join(), STOP_TIMEOUT_S)
-        await self._writer.stop()
-        self._started = False
+        await self._commit.stop(STOP_TIMEOUT_S)
 
     def open(self, trial_seq: int, api: str) -> IngestionBuffer:
         """The buffer of a new ingestion stream of the trial, through the ingestion service `api`
         (metrics.DATALOG_API, ...)."""
-        return IngestionBuffer(self, trial_seq, api)
+        return IngestionBuffer(self._commit, self._in_flight, trial_seq, api)
 
     def has_room(self, buffer: IngestionBuffer) -> bool:
         """Whether the stream of `buffer` may read another sample."""
         return (
             buffer.in_flight < self.max_stream_samples
             and buffer.in_flight_bytes < self.max_stream_bytes
-            and self.in_flight_bytes < self.max_in_flight_bytes
+            and self._in_flight.count < self.max_in_flight_bytes
         )
 
     async def wait_for_room(self, woken: asyncio.Event) -> None:
         """Until something was committed or failed, by any stream (or `woken` was set)."""
-        self._room_waiters.add(woken)
-        try:
-            await woken.wait()
-        finally:
-            self._room_waiters.discard(woken)
-            woken.clear()
-
-    def released(self, size: int) -> None:
-        self.in_flight_bytes -= size
-        if size:
-            for waiter in self._room_waiters:
-                waiter.set()
-
-    def schedule(self, buffer: IngestionBuffer) -> None:
-        if not buffer.queued:
-            buffer.queued = True
-            self._queue.append(buffer)
-            self._ready.set()
-
-    def _take_batch(self) -> list[tuple[IngestionBuffer, SampleAppend, int]]:
-        batch: list[tuple[IngestionBuffer, SampleAppend, int]] = []
-        samples = size = 0
-        while self._queue and samples < self.max_samples and size < self.max_bytes:
-            buffer = self._queue.popleft()
-            if buffer.failure is not None:  # what it still holds must not be written after a gap
-                buffer.queued = False
-                continue
-            append, append_size = buffer.take(self.max_samples - samples)
-            batch.append((buffer, append, append_size))
-            samples += len(append.samples)
-            size += append_size
-            if buffer.has_work():
-                self._queue.append(buffer)  # the rest in a later batch, after the others' turn
-            else:
-                buffer.queued = False
-        return batch
-
-    async def _write_forever(self) -> None:
-        if self._queue:  # started again after a failure: what was queued is still to be written
-            self._ready.set()
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            while self._queue:
-                await self._pace()
-                batch = self._take_batch()
-                try:
-                    await self._write(batch)
-                except Exception as error:  # a bug: its streams fail, the others go on
-                    log.error("could not write a batch of samples", exc_info=error)
-                    for buffer, _, _ in batch:
-                        buffer.failed(error)
-            if self._stopping:
-                return
-
-    async def _pace(self) -> None:
-        """Wait until `interval_s` after the previous transaction started, unless a full batch
-        (by samples or bytes) waits or the batcher is stopping. Not cut short by what arrives
-        meanwhile: it is at most one interval."""
-        loop = asyncio.get_running_loop()
-        wait = self._last_start + self.interval_s - loop.time()
-        if wait > 0 and not self._stopping and not self._full_batch_waits():
-            await asyncio.sleep(wait)
-        self._last_start = loop.time()
-
-    def _full_batch_waits(self) -> bool:
-        samples = sum(buffer.pending for buffer in self._queue)
-        size = sum(buffer.pending_bytes for buffer in self._queue)
-        return samples >= self.max_samples or size >= self.max_bytes
+        await self._in_flight.wait_for_room(woken)
 
     async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend, int]]) -> None:
-        if not batch:  # every queued stream had failed
-            return
         appends = [append for _, append, _ in batch]
         attempts = 0
 

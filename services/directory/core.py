@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import Counter
 
+from services.directory.entry_sql import IndexRow
 from services.directory.health import HealthChecker
 from services.directory.index import EntrySource, FollowedIndex
 from services.directory.model import COGMENT, CheckTarget, Entry, Inquiry, Registration
-from services.directory.store import DirectoryStore, IndexRow
+from services.directory.store import DirectoryStore
 from shared.digest import sha256_hex
 from shared.errors import NotFound, PermissionDenied
 from shared.load import UNSERVICEABLE

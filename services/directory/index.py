@@ -31,8 +31,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from services.directory.model import UNKNOWN_SERVICE, Entry, Inquiry
-from services.directory.store import ALL_ENTRIES_KEY, ENTRY_KEY_PREFIX, DirectoryStore, IndexRow
+from services.directory.entry_sql import IndexRow
+from services.directory.model import ALL_ENTRIES_KEY, ENTRY_KEY_PREFIX, UNKNOWN_SERVICE, Entry, Inquiry
+from services.directory.store import DirectoryStore
 from shared.load import UNSERVICEABLE
 from shared.logging import get_logger
 from shared.metrics import PlainHistogram

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.api import directory_entries_pb2, directory_pb2
+
+# The change-feed key of one entry, and of every entry (a change to all of them): the in-memory
+# index (services.directory.index) re-reads the entries it hears of.
+ENTRY_KEY_PREFIX = "entry:"
+ALL_ENTRIES_KEY = "entries"
 
 GRPC = directory_pb2.ServiceEndpoint.GRPC
 GRPC_SSL = directory_pb2.ServiceEndpoint.GRPC_SSL
@@ -120,3 +126,7 @@ class CheckResult:
     healthy: bool
     # None keeps the previous load (TCP checks cannot read one).
     load: int | None = None
+
+
+def entry_keys(service_ids: Iterable[int]) -> list[str]:
+    return [f"{ENTRY_KEY_PREFIX}{service_id}" for service_id in service_ids]

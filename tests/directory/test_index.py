@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.directory.entry_sql import IndexRow
 from services.directory.index import PAGE_ENTRIES, EntryIndex, FollowedIndex, lag_seconds
 from services.directory.model import (
     COGMENT,
@@ -25,7 +26,7 @@ from services.directory.model import (
     Inquiry,
     Registration,
 )
-from services.directory.store import DirectoryStore, IndexRow
+from services.directory.store import DirectoryStore
 from shared.db import Database
 from shared.notify import ChangeFeed
 

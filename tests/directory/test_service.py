@@ -10,9 +10,10 @@ import grpc
 import pytest
 from sqlalchemy import select
 
-from services.directory import store
+from services.directory import entry_writes
+from services.directory.entry_sql import PROPERTY_COUNT_CAP
 from services.directory.model import Endpoint, Registration
-from services.directory.store import PROPERTY_COUNT_CAP, DirectoryStore
+from services.directory.store import DirectoryStore
 from shared import schema
 from shared.api import common_pb2, directory_pb2
 from shared.db import Database
@@ -532,7 +533,7 @@ async def test_a_colliding_id_is_drawn_again(
     """New ids are random: one that is taken (one chance in 2^63) is drawn again, for new and
     permanent entries alike, on both databases' write paths."""
     draws = iter([41, 41, 42, 41, 43])
-    monkeypatch.setattr(store.secrets, "randbelow", lambda _bound: next(draws))
+    monkeypatch.setattr(entry_writes.secrets, "randbelow", lambda _bound: next(draws))
     (first,) = await register_ok(directory, request(ACTOR, {"c": "1"}))
     (second,) = await register_ok(directory, request(ACTOR, {"c": "2"}))
     (third,) = await register_ok(directory, request(ACTOR, {"c": "3"}, protocol=GRPC, port=1, permanent=True))
