@@ -17,7 +17,7 @@ from services.datastore.batcher import (
 )
 from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
 from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
-from services.datastore.servicer import add_datastore_servicers
+from services.datastore.servicer import add_servicers
 from services.datastore.store import DatastoreStore
 from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2, trial_samples_pb2, trial_status_pb2
 from shared.config import Option, positive_float, positive_int, up_to_a_second
@@ -129,7 +129,7 @@ class DatastoreService(Service[DatastoreSettings]):
         self.leases.start()
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
-        add_datastore_servicers(server, runtime, self.datastore)
+        add_servicers(server, self.datastore, runtime)
 
     async def stop(self) -> None:
         await self.leases.stop()

@@ -16,12 +16,14 @@ from typing import Any
 
 import grpc
 
-from services.datastore.core import Ingestion, TrialDatastore
+from services.datastore.core import TrialDatastore
+from services.datastore.ingestion import Ingestion
 from services.datastore.metrics import DATALOG_API, LOG_EXPORTER_API
 from services.datastore.model import TrialRecord, TrialStatus
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2, trial_samples_pb2, trial_status_pb2
 from shared.errors import InvalidArgument
 from shared.handlers import add_servicer, field_one_frame, pre_encoded
+from shared.observer import DRAIN_LIMIT_S
 from shared.runtime import ServiceRuntime, VersionStatusMixin
 from shared.validation import utf8_size
 
@@ -87,9 +89,8 @@ def _stored_sample(request: trial_datastore_pb2.AddSampleRequest) -> trial_datas
     return request.trial_sample
 
 
-def add_datastore_servicers(
-    server: grpc.aio.Server, runtime: ServiceRuntime, datastore: TrialDatastore
-) -> None:
+def add_servicers(server: grpc.aio.Server, datastore: TrialDatastore, runtime: ServiceRuntime) -> None:
+    """Serve the datastore's gRPC services on `server`."""
     add_servicer(
         server,
         trial_datastore_pb2.DESCRIPTOR.services_by_name["TrialDatastoreSP"],
@@ -160,7 +161,7 @@ class TrialDatastoreServicer(VersionStatusMixin):
         self, request_iterator: AsyncIterator[trial_datastore_pb2.AddSampleRequest], context: Any
     ) -> trial_datastore_pb2.AddSamplesReply:
         ingestion = await self.datastore.open_samples(_single_trial_id(context))
-        async for _ in ingestion.ingest_stored(request_iterator, _stored_sample):
+        async for _ in ingestion.ingest_stored(request_iterator, _stored_sample, DRAIN_LIMIT_S):
             pass
         return trial_datastore_pb2.AddSamplesReply()
 
@@ -257,7 +258,7 @@ class DatalogIngestion:
             raise
         try:
             yield 1
-            async for committed in ingestion.ingest_datalog(requests, _datalog_sample):
+            async for committed in ingestion.ingest_datalog(requests, _datalog_sample, DRAIN_LIMIT_S):
                 yield committed
         finally:
             await ingestion.close()

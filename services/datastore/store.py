@@ -106,7 +106,7 @@ _INSERT_PROPERTIES = insert(properties)
 class DatastoreStore:
     def __init__(self, database: Database) -> None:
         self.db = database
-        self._sql = database.by_dialect(SAMPLE_SQL)
+        self._sql = database.pick(SAMPLE_SQL)
         upsert = database.insert(trials)
         # `reopen`: a new ingestion stream starts, live readers wait for it again.
         self._upsert_trial = upsert.on_conflict_do_update(

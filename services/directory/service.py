@@ -13,7 +13,7 @@ from services.directory.core import DEFAULT_FIRST_CHECK_WAIT_S, Directory, keyed
 from services.directory.health import HealthChecker
 from services.directory.index import FollowedIndex
 from services.directory.secret_key import directory_key
-from services.directory.servicer import add_directory_servicer
+from services.directory.servicer import add_servicers
 from services.directory.store import DirectoryStore
 from shared.api import directory_entries_pb2, directory_pb2
 from shared.config import Option, non_negative_float, non_negative_int, parse_bool, positive_float
@@ -178,7 +178,7 @@ class DirectoryService(Service[DirectorySettings]):
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
         assert self.directory is not None, "start() comes first"
-        add_directory_servicer(server, self.directory, runtime)
+        add_servicers(server, self.directory, runtime)
 
     async def stop(self) -> None:
         await self.checker.stop()

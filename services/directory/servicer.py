@@ -1,6 +1,6 @@
 """The directory's gRPC layer: validates requests, translates them for the core, and answers in
 the reference's wire format (FAILED replies, not gRPC errors, on Register/Deregister). Inquire
-is given its request's bytes and yields replies it encoded (`add_directory_servicer`): a repeated
+is given its request's bytes and yields replies it encoded (`add_servicers`): a repeated
 inquiry is answered from the bytes of its last answer while nothing it depends on changed.
 Beside it, the project's own DirectoryEntriesSP lists entries with their health."""
 
@@ -169,7 +169,8 @@ def _refusal(error: Exception, unexpected: str, action: str) -> str:
     return f"{unexpected} [{type(error).__name__}]"
 
 
-def add_directory_servicer(server: grpc.aio.Server, directory: Directory, runtime: ServiceRuntime) -> None:
+def add_servicers(server: grpc.aio.Server, directory: Directory, runtime: ServiceRuntime) -> None:
+    """Serve the directory's gRPC services on `server`."""
     add_servicer(
         server,
         directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"],

@@ -12,7 +12,7 @@ import grpc
 from services.model_registry import metrics
 from services.model_registry.blobstore import BlobStore, BlobStoreError, LocalBlobStore, S3BlobStore
 from services.model_registry.core import ModelRegistry
-from services.model_registry.servicer import ModelRegistryServicer, add_model_registry_servicer
+from services.model_registry.servicer import add_servicers
 from services.model_registry.store import RegistryStore
 from shared.api import directory_pb2, model_registry_pb2
 from shared.config import Option, non_negative_int, parse_bool
@@ -142,7 +142,7 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
         self.registry.start()
 
     def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
-        add_model_registry_servicer(server, ModelRegistryServicer(self.registry, runtime))
+        add_servicers(server, self.registry, runtime)
 
     async def stop(self) -> None:
         await self.registry.stop()

@@ -49,11 +49,12 @@ def data_chunk_frame(chunk: bytes | memoryview) -> bytes:
     return field_one_frame(chunk) if chunk else b""  # proto3 leaves out an empty field
 
 
-def add_model_registry_servicer(server: grpc.aio.Server, servicer: ModelRegistryServicer) -> None:
+def add_servicers(server: grpc.aio.Server, registry: ModelRegistry, runtime: ServiceRuntime) -> None:
+    """Serve the model registry's gRPC service on `server`."""
     add_servicer(
         server,
         model_registry_pb2.DESCRIPTOR.services_by_name["ModelRegistrySP"],
-        servicer,
+        ModelRegistryServicer(registry, runtime),
         response_serializers={"RetrieveVersionData": pre_encoded},
     )
 
@@ -82,7 +83,7 @@ async def _bodies(
 
 class ModelRegistryServicer(VersionStatusMixin):
     """Every ModelRegistrySP method (registered from the service descriptor by
-    `add_model_registry_servicer`, so that RetrieveVersionData can yield encoded frames)."""
+    `add_servicers`, so that RetrieveVersionData can yield encoded frames)."""
 
     def __init__(self, registry: ModelRegistry, runtime: ServiceRuntime) -> None:
         self.registry = registry

@@ -20,7 +20,7 @@ from shared.schema import registry_blob_garbage as garbage
 from shared.schema import registry_models as models
 from shared.schema import registry_versions as versions
 
-# Serializes evictions across replicas on PostgreSQL (any constant shared by every replica).
+# Serializes evictions across replicas (any constant shared by every replica; see Transaction.lock).
 EVICTION_LOCK_ID = 0x7265675F65766963
 
 
@@ -108,9 +108,9 @@ _DELETE_MODEL_VERSIONS = (
 )
 _DELETE_MODEL = delete(models).where(models.c.model_key == bindparam("key"))
 _COUNT_TRANSIENT = select(func.count()).select_from(versions).where(versions.c.archived == false())
-# Least recently used first. On PostgreSQL the victims are locked, skipping rows another
-# transaction holds (a version being touched or deleted with its model): eviction never waits on
-# them, so it cannot deadlock with those. SQLite ignores FOR UPDATE (its writers are serialized).
+# Least recently used first. The victims are locked, skipping rows another transaction holds (a
+# version being touched or deleted with its model): eviction never waits on them, so it cannot
+# deadlock with those (a database whose writers are serialized ignores the clause).
 _EVICTION_VICTIMS = (
     select(versions.c.model_key, versions.c.version_number, versions.c.blob_key, models.c.model_id)
     .join(models, models.c.model_key == versions.c.model_key)
@@ -122,7 +122,7 @@ _EVICTION_VICTIMS = (
 _DELETE_VERSION = delete(versions).where(
     versions.c.model_key == bindparam("key"), versions.c.version_number == bindparam("number")
 )
-# Replicas taking garbage at once each get different keys (SKIP LOCKED on PostgreSQL).
+# Replicas taking garbage at once each get different keys (SKIP LOCKED).
 _TAKE_GARBAGE = (
     delete(garbage)
     .where(
@@ -236,8 +236,8 @@ class RegistryStore:
         user_data_json = _canonical_json(user_data)
 
         def write(transaction: Transaction) -> VersionInfo | None:
-            # The row lock taken here serializes commits on the model across replicas (on
-            # SQLite the transaction holds the write lock from BEGIN IMMEDIATE).
+            # The row lock taken here serializes commits on the model across replicas (where the
+            # database serializes its writers, the write transaction already does).
             next_number = transaction.execute(_TAKE_NUMBER, {"key": key}).scalar()
             if next_number is None:
                 return None

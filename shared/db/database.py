@@ -123,7 +123,7 @@ class Database:
         """Whether replicas on several hosts may share this database."""
         return self.dialect.shared_between_hosts
 
-    def by_dialect(self, choices: Mapping[str, D]) -> D:
+    def pick(self, choices: Mapping[str, D]) -> D:
         """The choice made for this database's dialect (`sqlite`, `postgresql`): how a store
         picks its dialect-specific SQL, once, without naming a dialect."""
         return choices[self.dialect.name]
