@@ -103,9 +103,12 @@ class Dependencies:
         for suspect in self._suspects.values():
             suspect.set()
 
-    async def ride_out(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def ride_out(
+        self, call: Callable[[], Awaitable[T]], *, on_held: Callable[[], object] | None = None
+    ) -> T:
         """`call()`; if it fails because a dependency is away, again once it is back, for up to
-        `outage_bound_s` (then UNAVAILABLE). Other failures are raised as they are."""
+        `outage_bound_s` (then UNAVAILABLE). Other failures are raised as they are. `on_held()`
+        once, when the call is first held back by an outage."""
         first_failure: float | None = None
         attempts = 0
         while True:
@@ -123,6 +126,8 @@ class Dependencies:
                         "(--outage_bound): retry"
                     ) from error
                 attempts += 1
+                if attempts == 1 and on_held is not None:
+                    on_held()
                 self.suspect()
                 # Give the probes a moment to notice; then wait for readiness, not longer than
                 # the bound, and never spin if the dependency answers probes but not this call.

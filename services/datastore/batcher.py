@@ -2,9 +2,7 @@
 transaction, at most one starting every `interval_s` (10 ms).
 
 Each ingestion stream adds its samples to its own `IngestionBuffer`, which the group commit takes
-them from. Buffers count what is committed: a stream acknowledges that many (an acknowledged sample
-is durable). Bookkeeping is per buffer and per batch, not per sample: at thousands of samples a
-second, per-sample futures would cost the event loop more than the conversion does.
+them from; the batcher writes each batch and tells every buffer what of it was committed.
 
 What is received and not yet committed is bounded, per stream (`max_stream_samples`,
 `max_stream_bytes`) and for the process (`max_in_flight_bytes`): past a bound, a stream reads no
@@ -15,11 +13,12 @@ its sender back. A stream may go over by the one message it was reading when the
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Awaitable
 
 from services.datastore import metrics
-from services.datastore.model import ENDED, NO_STATE, SampleAppend
+from services.datastore.ingestion_buffer import InFlightBytes, IngestionBuffer
+from services.datastore.model import SampleAppend
 from services.datastore.store import DatastoreStore
 from shared.dependencies import Dependencies
 from shared.errors import classify
@@ -40,132 +39,6 @@ log = get_logger("datastore.batcher")
 
 class TrialMissing(Exception):
     """The trial was deleted while samples were on their way."""
-
-
-class InFlightBytes:
-    """Bytes received by every stream and not yet committed (nor failed), and the streams
-    waiting for room."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._waiters: set[asyncio.Event] = set()
-
-    def released(self, size: int) -> None:
-        self.count -= size
-        if size:
-            for waiter in self._waiters:
-                waiter.set()
-
-    async def wait_for_room(self, woken: asyncio.Event) -> None:
-        """Until something was committed or failed, by any stream (or `woken` was set)."""
-        self._waiters.add(woken)
-        try:
-            await woken.wait()
-        finally:
-            self._waiters.discard(woken)
-            woken.clear()
-
-
-class IngestionBuffer:
-    """One ingestion stream's samples on their way to the database (a group commit `Source`)."""
-
-    def __init__(
-        self,
-        commit: GroupCommit[IngestionBuffer, SampleAppend],
-        in_flight: InFlightBytes,
-        trial_seq: int,
-        api: str,
-    ) -> None:
-        self.trial_seq = trial_seq
-        # The ingestion service the samples come through (the metrics' `api` label).
-        self.api = api
-        self._commit = commit
-        self._process_in_flight = in_flight
-        self._samples: list[bytes] = []
-        # Per pending sample, the state it sets in its trial (NO_STATE: none).
-        self._states: list[int] = []
-        self._closing = False
-        self._close_taken = False
-        self.closed = False
-        self.submitted = 0
-        self.committed = 0
-        # Bytes received and not yet committed (nor failed), and those not yet taken into a batch.
-        self.in_flight_bytes = 0
-        self.pending_bytes = 0
-        self.failure: Exception | None = None
-        # When the oldest pending sample arrived (time.monotonic), and the oldest sample of the
-        # last take: how long the samples of a commit waited, measured once per stream and batch.
-        self.arrived = 0.0
-        self.taken_arrived = 0.0
-        # Set whenever `committed`, `closed` or `failure` changes.
-        self.progressed = asyncio.Event()
-        self.queued = False
-
-    @property
-    def pending(self) -> int:
-        """Samples received and not yet taken into a transaction."""
-        return len(self._samples)
-
-    @property
-    def in_flight(self) -> int:
-        return self.submitted - self.committed
-
-    @property
-    def dropped(self) -> bool:
-        return self.failure is not None  # what it still holds must not be written after a gap
-
-    def add(self, data: bytes, state: int) -> None:
-        # Once per sample: counters updated in place rather than through calls.
-        size = len(data)
-        if not self._samples:
-            self.arrived = time.monotonic()
-        self._samples.append(data)
-        self._states.append(state)
-        self.submitted += 1
-        self.in_flight_bytes += size
-        self.pending_bytes += size
-        self._process_in_flight.count += size
-        if not self.queued:
-            self._commit.schedule(self)
-
-    def close(self) -> None:
-        """After the samples added so far: the ingestion stream closed."""
-        self._closing = True
-        self._commit.schedule(self)
-
-    def has_work(self) -> bool:
-        return bool(self._samples) or (self._closing and not self._close_taken)
-
-    def take(self, limit: int) -> tuple[SampleAppend, int, int]:
-        """The next append (at most `limit` samples), its samples and its size in bytes."""
-        if len(self._samples) <= limit:  # usually: everything pending, its lists handed over
-            samples, states, size = self._samples, self._states, self.pending_bytes
-            self._samples, self._states = [], []
-        else:
-            samples, states = self._samples[:limit], self._states[:limit]
-            del self._samples[:limit], self._states[:limit]
-            size = sum(map(len, samples))
-        # Samples left pending arrived after the taken ones: `arrived` overstates their wait a little.
-        self.taken_arrived = self.arrived
-        last_state = next((state for state in reversed(states) if state != NO_STATE), None)
-        close = self._closing and not self._samples
-        self._close_taken = self._close_taken or close
-        self.pending_bytes -= size
-        return SampleAppend(self.trial_seq, samples, last_state, ENDED in states, close), len(samples), size
-
-    def stored(self, append: SampleAppend, size: int) -> None:
-        self.committed += len(append.samples)
-        self.closed = self.closed or append.close
-        self.in_flight_bytes -= size
-        self._process_in_flight.released(size)
-        self.progressed.set()
-
-    def failed(self, error: Exception) -> None:
-        self.failure = error
-        # Nothing more of this stream is written: what it held no longer counts.
-        self._process_in_flight.released(self.in_flight_bytes)
-        self.in_flight_bytes = 0
-        self.progressed.set()
 
 
 class SampleBatcher:
@@ -223,18 +96,13 @@ class SampleBatcher:
 
     async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend, int]]) -> None:
         appends = [append for _, append, _ in batch]
-        attempts = 0
-
-        def write_all() -> Awaitable[list[int | None]]:
-            nonlocal attempts
-            attempts += 1
-            return self._store.append(appends)
-
         started = time.monotonic()
         try:
             # An outage is ridden out: the samples stay here and are written once the database is
             # back (their streams wait, unacknowledged), up to the outage bound.
-            firsts = await self._dependencies.ride_out(write_all)
+            firsts = await self._dependencies.ride_out(
+                functools.partial(self._store.append, appends), on_held=metrics.outage_held_batches_total.inc
+            )
         except Exception as error:
             failure = classify(error)
             if failure is not None:  # no stream is at fault: each of them reports it
@@ -249,9 +117,6 @@ class SampleBatcher:
             log.warning("could not store samples", trial_seq=batch[0][1].trial_seq, error=str(error))
             batch[0][0].failed(error)  # its stream reports it
             return
-        finally:
-            if attempts > 1:
-                metrics.outage_held_batches_total.inc()
         now = time.monotonic()
         metrics.commit_duration_seconds.observe(now - started)
         metrics.commit_batch_samples.observe(sum(len(append.samples) for append in appends))

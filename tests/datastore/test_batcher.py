@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.datastore.batcher import NO_STATE, IngestionBuffer, SampleBatcher
+from services.datastore.batcher import SampleBatcher
+from services.datastore.ingestion_buffer import IngestionBuffer
 from services.datastore.metrics import DATALOG_API
+from services.datastore.model import NO_STATE
 from services.datastore.store import DatastoreStore, SampleAppend
 from shared.api import common_pb2
 from shared.db import Database
