@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.datastore.model import SampleAppend
+from shared.db.dialect import PUBLISHED
 from shared.schema import datastore_samples as samples
 from shared.schema import datastore_trials as trials
 
@@ -75,7 +76,8 @@ def _cursor_statements(mark: str) -> dict[str, str]:
 
 
 # One round trip on PostgreSQL's direct connection (only the batcher's one task writes samples):
-# every trial's UPDATE and the samples numbered from the counts it returns. The appends come as one
+# every trial's UPDATE, the samples numbered from the counts it returns, and the database's
+# publication of what changed (PUBLISHED). The appends come as one
 # JSON text, not an array per field: the driver's Python code that adapts a list cost more per
 # statement than the rest of the batch's way there.
 _POSTGRESQL_APPEND_BATCH = f"""
@@ -102,7 +104,7 @@ _POSTGRESQL_APPEND_BATCH = f"""
         JOIN unnest(%(data)b::bytea[]) WITH ORDINALITY AS d (data, position)
             ON d.position = bumped.data_offset + k.i
     )
-    SELECT trial_seq, first FROM bumped
+    SELECT bumped.trial_seq, bumped.first FROM bumped {PUBLISHED}
     """
 
 SAMPLE_SQL = {

@@ -14,6 +14,7 @@ from sqlalchemy import ColumnElement, Integer, Select, and_, bindparam, func, or
 
 from services.directory.model import Endpoint, Entry
 from shared import property_match
+from shared.db.dialect import PUBLISHED
 from shared.load import UNSERVICEABLE
 from shared.schema import directory_service_properties as properties_table
 from shared.schema import directory_services as services
@@ -213,7 +214,7 @@ def _postgresql_new_entries(service_columns: tuple[str, ...]) -> str:
     return (
         f"WITH inserted AS ({rows(services.name, service_columns, 'services')} RETURNING 1), "
         f"described AS ({rows(properties_table.name, property_columns, 'properties')}) "
-        "SELECT count(*) FROM inserted"
+        f"SELECT count(*) FROM inserted {PUBLISHED}"
     )
 
 

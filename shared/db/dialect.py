@@ -16,6 +16,10 @@ from shared.db.changes import Publication
 
 T = TypeVar("T")
 
+# Where a statement of `Database.write_statement` lets the database publish what it changed, in the
+# statement itself: at the end of its main query's FROM list (see each dialect's `statement`).
+PUBLISHED = "{published}"
+
 
 def rows_of(result: CursorResult[Any]) -> Sequence[Sequence[Any]]:
     return result.all() if result.returns_rows else []
@@ -69,8 +73,8 @@ class Dialect(ABC):
     async def statement(
         self, sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
     ) -> list[tuple[Any, ...]]:
-        """The rows of one statement of this dialect's SQL, in one write transaction that tells
-        other processes of `keys`: one round trip to the database."""
+        """The rows of one statement of this dialect's SQL, its own transaction, which tells other
+        processes of `keys` where the statement says PUBLISHED: one round trip to the database."""
 
     @abstractmethod
     def notify(self, connection: Connection, keys: Sequence[str]) -> None:

@@ -22,7 +22,7 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.base import Executable
 
 from shared.db.changes import Publication
-from shared.db.dialect import Dialect, Hearing, rows_of
+from shared.db.dialect import PUBLISHED, Dialect, Hearing, rows_of
 from shared.db.threads import ConnectionThread
 from shared.errors import StartupError
 from shared.supervision import Periodic
@@ -151,7 +151,9 @@ class SqliteDialect(Dialect):
     async def statement(
         self, sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
     ) -> list[tuple[Any, ...]]:
-        return await self.on_cursor(lambda cursor: cursor.execute(sql, parameters).fetchall(), keys)
+        # Nothing to join: other processes notice commits to the file.
+        statement = sql.replace(PUBLISHED, "")
+        return await self.on_cursor(lambda cursor: cursor.execute(statement, parameters).fetchall(), keys)
 
     def notify(self, connection: Connection, keys: Sequence[str]) -> None:
         """Nothing to send: other processes notice commits to the file (`hear_others`)."""
