@@ -32,8 +32,9 @@ def add_servicer(
     servicer: object,
     response_serializers: Mapping[str, Callable[[Any], bytes]] | None = None,
     raw_requests: Iterable[str] = (),
-) -> None:
-    """Serve every method of `service` with the servicer's method of the same name.
+) -> str:
+    """Serve every method of `service` with the servicer's method of the same name; the
+    service's full name.
 
     What the generated `add_*Servicer_to_server` functions do, plus per-method response
     serializers: a method can then yield bytes it encoded itself (e.g. large data chunks framed
@@ -58,6 +59,7 @@ def add_servicer(
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+    return str(service.full_name)
 
 
 def _request_bytes(data: bytes) -> bytes:

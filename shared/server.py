@@ -24,7 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from shared import metrics
-from shared.config import Option, parse_options
+from shared.config import parse_options
 from shared.db import Database
 from shared.dependencies import Dependencies
 from shared.directory_registration import DirectoryRegistration
@@ -60,18 +60,21 @@ ServiceT = TypeVar("ServiceT", bound="Service[Any]")
 
 class Service(Generic[SettingsT]):
     """One deployable service, configured by its typed settings. Subclasses override what they
-    need, and name their settings class in `settings_type`."""
+    need, and name their settings class in `settings_type`.
 
-    # `python -m services.<name>`: its option table and what `--help` says of it.
+    The constructor is the service's composition root: it builds every part from the settings,
+    except the dependencies given to it (the database here; a subclass may take more, such as a
+    blob store), which tests pass in to run the service on parts of their own."""
+
+    # `python -m services.<name>`: its settings (and their option table) and what `--help` says of it.
     name: ClassVar[str] = "service"
     settings_type: ClassVar[type[ServerSettings]] = ServerSettings
-    options: ClassVar[Sequence[Option]] = ()
     description: ClassVar[str] = ""
 
-    def __init__(self, settings: SettingsT) -> None:
+    def __init__(self, settings: SettingsT, *, database: Database | None = None) -> None:
         self.settings = settings
         # Closed by `serve()` once the service stopped.
-        self.database = Database(settings.database_url_of(self.name))
+        self.database = database or Database(settings.database_url_of(self.name))
         # What the service needs to serve; `serve()` watches them (readiness, riding out outages).
         self.dependencies = Dependencies(
             [self.database.as_dependency()], settings.outage_bound, service=self.metrics_name
@@ -87,15 +90,12 @@ class Service(Generic[SettingsT]):
         """The `service` label of its metrics."""
         return METRICS_NAMES.get(self.name, self.name)
 
-    @property
-    def grpc_service_names(self) -> Sequence[str]:
-        """Full names of the gRPC services served (for health and reflection)."""
-        raise NotImplementedError
-
     async def start(self, runtime: ServiceRuntime) -> None:
         """Open storage and start background work, before the port opens."""
 
-    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> Sequence[str]:
+        """Serve the service's gRPC services on `server`; their full names (for health and
+        reflection)."""
         raise NotImplementedError
 
     def directory_registration(self, service_types: Sequence[ServiceType]) -> DirectoryRegistration:
@@ -286,9 +286,8 @@ async def serve(
         raise SystemExit(1) from None
 
     try:
-        service.add_servicers(server, runtime)
+        names = list(service.add_servicers(server, runtime))
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        names = list(service.grpc_service_names)
         if settings.grpc_reflection:
             reflection.enable_server_reflection(
                 [*names, HEALTH_SERVICE, reflection.SERVICE_NAME],
@@ -367,7 +366,7 @@ def run_service_main(
     """What `python -m services.<name>` (or `prog`) does: read the flags, set up logging, serve
     until a signal."""
     values = parse_options(
-        service_class.options,
+        service_class.settings_type.options,
         argv,
         prog=prog or f"python -m services.{service_class.name}",
         description=service_class.description,

@@ -3,14 +3,16 @@
 A service's configuration is its `Option` table (flags, environment variables, defaults, see
 `shared.config`) read into a frozen dataclass whose fields are the options' names: code reads
 `settings.port`, never `values["port"]`. `from_values` refuses values that do not match the
-fields one for one, so the table and the class cannot drift apart.
+fields one for one, so the table and the class cannot drift apart. A settings class names its
+table (`options`), so that code builds settings without a command line: `with_defaults(port=0)`
+is every option's default but the port.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from shared.config import Option, parse_bool, port_number, positive_float
 from shared.db import DEFAULT_DATA_DIR, default_database_url
@@ -24,6 +26,9 @@ S = TypeVar("S", bound="Settings")
 class Settings:
     """Base of the typed settings: fields named as the options they are read from."""
 
+    # The option table the fields are read from.
+    options: ClassVar[Sequence[Option]] = ()
+
     @classmethod
     def from_values(cls: type[S], values: Mapping[str, Any]) -> S:
         names = {field.name for field in fields(cls)}
@@ -33,6 +38,15 @@ class Settings:
                 f"unknown {sorted(set(values) - names)}"
             )
         return cls(**values)
+
+    @classmethod
+    def with_defaults(cls: type[S], **values: Any) -> S:
+        """The settings of every option's default, but `values` (typed, by option name)."""
+        defaults = {option.flag: option.default for option in cls.options}
+        unknown = sorted(set(values) - set(defaults))
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no option {', '.join(unknown)}")
+        return cls.from_values({**defaults, **values})
 
 
 @dataclass(frozen=True)

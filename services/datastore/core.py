@@ -24,24 +24,11 @@ from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, trial_datastore_pb2
 from shared.dependencies import Dependencies
-from shared.errors import InvalidArgument, NotFound
+from shared.errors import NotFound
 from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
-from shared.validation import (
-    MAX_INT64_POSITION,
-    MAX_TRIAL_PARAMS_BYTES,
-    MiB,
-    checked_id,
-    checked_list,
-    checked_name_size,
-    checked_properties,
-    checked_size,
-    checked_text,
-    parse_handle,
-    quoted,
-    utf8_size,
-)
+from shared.validation import MAX_INT64_POSITION, MiB, quoted
 
 # Samples read per query while replaying: at most READ_BATCH rows, and about `read_batch_bytes`
 # (a reader sizes each batch from the samples of its previous one; its first is one sample).
@@ -49,9 +36,6 @@ READ_BATCH = 500
 DEFAULT_READ_BATCH_BYTES = 8 * 1024 * 1024
 # The user id of trials ingested without a `user-id` header (the reference's constant).
 DEFAULT_DATALOG_USER_ID = "log exporter server"
-# The ids of one status request, together: their statuses (an id and about 30 bytes each, for
-# MAX_LISTED_ITEMS ids at most) then fit the 4 MiB reply clients accept.
-MAX_STATUS_IDS_BYTES = 3 * MiB
 # A range of samples (RetrieveSampleRange): rows by default and at most, and its bytes, past
 # which it ends early (one sample at least): it fits the 4 MiB reply clients accept.
 RANGE_DEFAULT_COUNT = 100
@@ -92,12 +76,7 @@ class TrialDatastore:
     async def _upsert(
         self, trial_id: str, user_id: str, params: common_pb2.TrialParams, *, reopen: bool
     ) -> TrialRecord:
-        checked_id(trial_id, "trial id")
-        checked_name_size(user_id, "user id")
-        checked_text(user_id, "user ids")
-        checked_properties(params.properties, "trial properties")
         data = params.SerializeToString()
-        checked_size(len(data), "trial parameters bytes", MAX_TRIAL_PARAMS_BYTES, "MAX_TRIAL_PARAMS_BYTES")
         upsert = functools.partial(
             self.store.upsert_trial,
             trial_id,
@@ -113,7 +92,6 @@ class TrialDatastore:
         return TrialRecord(seq, trial_id, user_id, data, 0, NO_STATE, False, False)
 
     async def delete_trials(self, trial_ids: Sequence[str]) -> int:
-        checked_list(trial_ids, "trial_ids")
         deleted = await self.store.delete_trials(trial_ids)
         if deleted:
             log.debug("trials deleted", count=len(deleted))
@@ -125,21 +103,17 @@ class TrialDatastore:
         properties: Mapping[str, str],
         timeout_ms: int,
         count: int,
-        handle: str,
+        after: int,
         reply_size: Callable[[TrialRecord], int] = lambda _: 0,
-    ) -> tuple[list[TrialRecord], str]:
-        """Trials in creation order from `handle`, at most `count` (0: all).
+    ) -> tuple[list[TrialRecord], int]:
+        """Trials in creation order after the position `after`, at most `count` (0: all).
 
         With `timeout_ms`, waits up to that long for more matching trials until `count` is
-        reached, or every requested trial was found. The next handle is the position after the
-        last returned trial when the count was reached, else the end of what was looked at. A
-        reply holds as many trials as fit (`reply_size`: a trial's encoded size): the next handle
-        then follows the last one returned.
+        reached, or every requested trial was found. The next position is the last returned
+        trial's when the count was reached, else the end of what was looked at. A reply holds as
+        many trials as fit (`reply_size`: a trial's encoded size): the next position is then the
+        last returned one's.
         """
-        checked_list(trial_ids, "trial_ids")
-        checked_properties(properties, "properties")
-        # trial_seq is a signed 64-bit column.
-        after = parse_handle(handle, "trial_handle", MAX_INT64_POSITION)
         wanted_ids = list(dict.fromkeys(trial_ids))
         limit: int | None = count or None
         if wanted_ids and (limit is None or limit > len(wanted_ids)):
@@ -158,24 +132,17 @@ class TrialDatastore:
                 found.extend(batch)
                 fit = fitting_count(map(reply_size, found))
                 if fit < len(found):
-                    return found[:fit], str(found[fit - 1].trial_seq)
+                    return found[:fit], found[fit - 1].trial_seq
                 if limit is not None and len(found) >= limit:
-                    return found, str(found[-1].trial_seq)
+                    return found, found[-1].trial_seq
                 after = end
                 left = deadline - time.monotonic()
                 if timeout_ms == 0 or left <= 0:
-                    return found, str(end)
+                    return found, end
                 await watch.wait(left)
 
     async def trial_statuses(self, trial_ids: Sequence[str]) -> list[TrialStatus]:
         """The statuses of the trials that exist among `trial_ids`, in request order, once each."""
-        checked_list(trial_ids, "trial_ids")
-        checked_size(
-            sum(utf8_size(trial_id) for trial_id in trial_ids),
-            "trial ids bytes",
-            MAX_STATUS_IDS_BYTES,
-            "MAX_STATUS_IDS_BYTES",
-        )
         wanted_ids = list(dict.fromkeys(trial_ids))
         found = await self.store.trial_statuses(wanted_ids)
         return [found[trial_id] for trial_id in wanted_ids if trial_id in found]
@@ -192,13 +159,9 @@ class TrialDatastore:
         RANGE_MAX_BYTES together unless one alone is larger; the position of the first answered,
         and how many samples the trial has. Rows are read in batches of about RANGE_MAX_BYTES
         (the first batch one row), so that a search holds one batch at a time."""
-        if count > RANGE_MAX_COUNT:
-            raise InvalidArgument(f"count [{count}] is over {RANGE_MAX_COUNT}")
         count = count or RANGE_DEFAULT_COUNT
         position = min(first, MAX_INT64_POSITION)  # past any trial's samples: none
-        found = await self.ride_out(
-            functools.partial(self.store.get_trials, [checked_id(trial_id, "trial id")])
-        )
+        found = await self.ride_out(functools.partial(self.store.get_trials, [trial_id]))
         if trial_id not in found:
             raise NotFound(f'no trial "{quoted(trial_id)}" found')
         seq = found[trial_id].trial_seq
@@ -248,7 +211,7 @@ class TrialDatastore:
 
     async def open_samples(self, trial_id: str) -> Ingestion:
         """Start adding stored samples to an existing trial (AddSample)."""
-        found = await self.store.get_trials([checked_id(trial_id, "trial id")])
+        found = await self.store.get_trials([trial_id])
         if trial_id not in found:
             raise NotFound(f'no trial "{quoted(trial_id)}" found')
         return Ingestion(self.batcher, self.leases, found[trial_id], None, metrics.ADD_SAMPLE_API)
@@ -265,7 +228,6 @@ class TrialDatastore:
     ) -> AsyncIterator[bytes]:
         """Serialized StoredTrialSamples of the trials, stored ones then live ones, each trial's in
         order, until every trial has ended or its ingestion closed."""
-        checked_list(trial_ids, "trial_ids")
         wanted_ids = list(dict.fromkeys(trial_ids))
         found = await self.ride_out(functools.partial(self.store.get_trials, wanted_ids))
         missing = [trial_id for trial_id in wanted_ids if trial_id not in found]

@@ -18,10 +18,10 @@ from services.datastore.conversion import DatalogConverter
 from services.datastore.leases import IngestionLeases
 from services.datastore.model import ENDED, NO_STATE, TrialRecord
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
-from shared.errors import InvalidArgument, NotFound
+from shared.errors import NotFound
 from shared.logging import get_logger
 from shared.supervision import cancel_and_wait
-from shared.validation import checked_name_size, checked_text, quoted
+from shared.validation import quoted
 
 KNOWN_STATES = frozenset(common_pb2.TrialState.values())
 
@@ -160,14 +160,6 @@ class Ingestion:
         self._add(data, state)
 
     def _stored(self, sample: trial_datastore_pb2.StoredTrialSample) -> None:
-        if sample.trial_id and sample.trial_id != self.trial.trial_id:
-            raise InvalidArgument(
-                "'AddSampleRequest.TrialSample.trial_id' should be left undefined or should match the "
-                "header metadata 'trial-id'"
-            )
-        sample.trial_id = self.trial.trial_id
-        checked_name_size(sample.user_id, "user id")
-        checked_text(sample.user_id, "user ids")
         self._add(sample.SerializeToString(), _stored_state(sample.state))
 
     def _add(self, data: bytes, state: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import grpc
 
@@ -19,8 +20,9 @@ from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
 from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
 from services.datastore.servicer import add_servicers
 from services.datastore.store import DatastoreStore
-from shared.api import datalog_pb2, directory_pb2, trial_datastore_pb2, trial_samples_pb2, trial_status_pb2
+from shared.api import directory_pb2
 from shared.config import Option, positive_float, positive_int, up_to_a_second
+from shared.db import Database
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.registration import RegistrationSettings, registration_options
@@ -63,6 +65,8 @@ OPTIONS: list[Option] = [
 class DatastoreSettings(ServerSettings, RegistrationSettings):
     """The values of OPTIONS."""
 
+    options: ClassVar[Sequence[Option]] = OPTIONS
+
     batch_interval: float
     batch_max_samples: int
     ingestion_bytes: int
@@ -77,11 +81,10 @@ log = get_logger("datastore")
 class DatastoreService(Service[DatastoreSettings]):
     name = "datastore"
     settings_type = DatastoreSettings
-    options = OPTIONS
     description = "Cogment Trial Datastore: datalog ingestion, stored trials, replay and live samples."
 
-    def __init__(self, settings: DatastoreSettings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: DatastoreSettings, *, database: Database | None = None) -> None:
+        super().__init__(settings, database=database)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database)
         self.batcher = SampleBatcher(
@@ -111,16 +114,6 @@ class DatastoreService(Service[DatastoreSettings]):
             [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE]
         )
 
-    @property
-    def grpc_service_names(self) -> Sequence[str]:
-        return [
-            trial_datastore_pb2.DESCRIPTOR.services_by_name["TrialDatastoreSP"].full_name,
-            datalog_pb2.DESCRIPTOR.services_by_name["DatalogSP"].full_name,
-            datalog_pb2.DESCRIPTOR.services_by_name["LogExporterSP"].full_name,
-            trial_status_pb2.DESCRIPTOR.services_by_name["TrialStatusSP"].full_name,
-            trial_samples_pb2.DESCRIPTOR.services_by_name["TrialSamplesSP"].full_name,
-        ]
-
     async def start(self, runtime: ServiceRuntime) -> None:
         log.info("opening storage", database=self.database.display_url)
         await self.database.migrate()
@@ -128,8 +121,8 @@ class DatastoreService(Service[DatastoreSettings]):
         self.batcher.start()
         self.leases.start()
 
-    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
-        add_servicers(server, self.datastore, runtime)
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> Sequence[str]:
+        return add_servicers(server, self.datastore, runtime)
 
     async def stop(self) -> None:
         await self.leases.stop()

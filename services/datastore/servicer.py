@@ -1,5 +1,6 @@
 """The Trial Datastore's gRPC layer: TrialDatastoreSP, the two datalog ingestion services, and the
-project's own TrialStatusSP (what the Cogment wire cannot say of a trial).
+project's own TrialStatusSP (what the Cogment wire cannot say of a trial) and TrialSamplesSP. It
+checks every request, then hands the core what it asked for in the core's terms.
 
 `DatalogSP` (bidirectional, what the 2.x orchestrator calls) and `LogExporterSP` (client stream,
 the API reference's name) share one ingestion: the first message holds the trial parameters, the
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from services.datastore.core import TrialDatastore
+from services.datastore.core import RANGE_MAX_COUNT, TrialDatastore
 from services.datastore.ingestion import Ingestion
 from services.datastore.metrics import DATALOG_API, LOG_EXPORTER_API
 from services.datastore.model import TrialRecord, TrialStatus
@@ -25,10 +27,25 @@ from shared.errors import InvalidArgument
 from shared.handlers import add_servicer, field_one_frame, pre_encoded
 from shared.observer import DRAIN_LIMIT_S
 from shared.runtime import ServiceRuntime, VersionStatusMixin
-from shared.validation import utf8_size
+from shared.validation import (
+    MAX_INT64_POSITION,
+    MAX_TRIAL_PARAMS_BYTES,
+    MiB,
+    checked_id,
+    checked_list,
+    checked_name_size,
+    checked_properties,
+    checked_size,
+    checked_text,
+    parse_handle,
+    utf8_size,
+)
 
 # StoredTrialInfo.samples_count is 32-bit.
 MAX_SAMPLES_COUNT = 2**32 - 1
+# The ids of one status request, together: their statuses (an id and about 30 bytes each, for
+# MAX_LISTED_ITEMS ids at most) then fit the 4 MiB reply clients accept.
+MAX_STATUS_IDS_BYTES = 3 * MiB
 # Every DatalogSP acknowledgement is this same empty message.
 ACKNOWLEDGEMENT = datalog_pb2.RunTrialDatalogOutput()
 
@@ -83,39 +100,49 @@ def _datalog_sample(request: DatalogInput) -> datalog_pb2.DatalogSample:
     return request.sample
 
 
-def _stored_sample(request: trial_datastore_pb2.AddSampleRequest) -> trial_datastore_pb2.StoredTrialSample:
+def _stored_sample(
+    trial_id: str, request: trial_datastore_pb2.AddSampleRequest
+) -> trial_datastore_pb2.StoredTrialSample:
+    """The sample of an AddSample request to the trial `trial_id`, its trial id filled in."""
     if not request.HasField("trial_sample"):
         raise InvalidArgument("AddSampleRequest without a trial_sample")
-    return request.trial_sample
+    sample = request.trial_sample
+    if sample.trial_id and sample.trial_id != trial_id:
+        raise InvalidArgument(
+            "'AddSampleRequest.TrialSample.trial_id' should be left undefined or should match the "
+            "header metadata 'trial-id'"
+        )
+    sample.trial_id = trial_id
+    checked_name_size(sample.user_id, "user id")
+    checked_text(sample.user_id, "user ids")
+    return sample
 
 
-def add_servicers(server: grpc.aio.Server, datastore: TrialDatastore, runtime: ServiceRuntime) -> None:
-    """Serve the datastore's gRPC services on `server`."""
-    add_servicer(
-        server,
-        trial_datastore_pb2.DESCRIPTOR.services_by_name["TrialDatastoreSP"],
-        TrialDatastoreServicer(datastore, runtime),
-        response_serializers={"RetrieveSamples": pre_encoded},
-    )
-    add_servicer(
-        server,
-        trial_status_pb2.DESCRIPTOR.services_by_name["TrialStatusSP"],
-        TrialStatusServicer(datastore),
-    )
-    add_servicer(
-        server,
-        trial_samples_pb2.DESCRIPTOR.services_by_name["TrialSamplesSP"],
-        TrialSamplesServicer(datastore),
-    )
+def _check_trial(trial_id: str, user_id: str, params: common_pb2.TrialParams) -> None:
+    """What a trial created or reopened (AddTrial, a datalog) must be."""
+    checked_id(trial_id, "trial id")
+    checked_name_size(user_id, "user id")
+    checked_text(user_id, "user ids")
+    checked_properties(params.properties, "trial properties")
+    size = params.ByteSize()
+    checked_size(size, "trial parameters bytes", MAX_TRIAL_PARAMS_BYTES, "MAX_TRIAL_PARAMS_BYTES")
+
+
+def add_servicers(server: grpc.aio.Server, datastore: TrialDatastore, runtime: ServiceRuntime) -> list[str]:
+    """Serve the datastore's gRPC services on `server`; their full names."""
     ingestion = DatalogIngestion(datastore)
-    add_servicer(
-        server, datalog_pb2.DESCRIPTOR.services_by_name["DatalogSP"], DatalogServicer(ingestion, runtime)
-    )
-    add_servicer(
-        server,
-        datalog_pb2.DESCRIPTOR.services_by_name["LogExporterSP"],
-        LogExporterServicer(ingestion, runtime),
-    )
+    stored_replies: dict[str, Callable[[Any], bytes]] = {"RetrieveSamples": pre_encoded}
+    served: list[tuple[Any, str, object, dict[str, Callable[[Any], bytes]]]] = [
+        (trial_datastore_pb2, "TrialDatastoreSP", TrialDatastoreServicer(datastore, runtime), stored_replies),
+        (trial_status_pb2, "TrialStatusSP", TrialStatusServicer(datastore), {}),
+        (trial_samples_pb2, "TrialSamplesSP", TrialSamplesServicer(datastore), {}),
+        (datalog_pb2, "DatalogSP", DatalogServicer(ingestion, runtime), {}),
+        (datalog_pb2, "LogExporterSP", LogExporterServicer(ingestion, runtime), {}),
+    ]
+    return [
+        add_servicer(server, module.DESCRIPTOR.services_by_name[name], servicer, serializers)
+        for module, name, servicer, serializers in served
+    ]
 
 
 class TrialDatastoreServicer(VersionStatusMixin):
@@ -126,22 +153,27 @@ class TrialDatastoreServicer(VersionStatusMixin):
     async def RetrieveTrials(
         self, request: trial_datastore_pb2.RetrieveTrialsRequest, context: Any
     ) -> trial_datastore_pb2.RetrieveTrialsReply:
-        records, handle = await self.datastore.retrieve_trials(
+        checked_list(request.trial_ids, "trial_ids")
+        checked_properties(request.properties, "properties")
+        # trial_seq is a signed 64-bit column.
+        after = parse_handle(request.trial_handle, "trial_handle", MAX_INT64_POSITION)
+        records, end = await self.datastore.retrieve_trials(
             list(request.trial_ids),
             dict(request.properties),
             request.timeout,
             request.trials_count,
-            request.trial_handle,
+            after,
             trial_info_size,
         )
         return trial_datastore_pb2.RetrieveTrialsReply(
-            trial_infos=[trial_info_message(record) for record in records], next_trial_handle=handle
+            trial_infos=[trial_info_message(record) for record in records], next_trial_handle=str(end)
         )
 
     async def RetrieveSamples(
         self, request: trial_datastore_pb2.RetrieveSamplesRequest, context: Any
     ) -> AsyncIterator[bytes]:
         """Yields encoded RetrieveSampleReply messages: stored samples go out without re-encoding."""
+        checked_list(request.trial_ids, "trial_ids")
         async for data in self.datastore.samples(
             list(request.trial_ids),
             list(request.actor_names),
@@ -154,20 +186,25 @@ class TrialDatastoreServicer(VersionStatusMixin):
     async def AddTrial(
         self, request: trial_datastore_pb2.AddTrialRequest, context: Any
     ) -> trial_datastore_pb2.AddTrialReply:
-        await self.datastore.add_trial(_single_trial_id(context), request.user_id, request.trial_params)
+        trial_id = _single_trial_id(context)
+        _check_trial(trial_id, request.user_id, request.trial_params)
+        await self.datastore.add_trial(trial_id, request.user_id, request.trial_params)
         return trial_datastore_pb2.AddTrialReply()
 
     async def AddSample(
         self, request_iterator: AsyncIterator[trial_datastore_pb2.AddSampleRequest], context: Any
     ) -> trial_datastore_pb2.AddSamplesReply:
-        ingestion = await self.datastore.open_samples(_single_trial_id(context))
-        async for _ in ingestion.ingest_stored(request_iterator, _stored_sample, DRAIN_LIMIT_S):
+        trial_id = checked_id(_single_trial_id(context), "trial id")
+        ingestion = await self.datastore.open_samples(trial_id)
+        sample_of = functools.partial(_stored_sample, trial_id)
+        async for _ in ingestion.ingest_stored(request_iterator, sample_of, DRAIN_LIMIT_S):
             pass
         return trial_datastore_pb2.AddSamplesReply()
 
     async def DeleteTrials(
         self, request: trial_datastore_pb2.DeleteTrialsRequest, context: Any
     ) -> trial_datastore_pb2.DeleteTrialsReply:
+        checked_list(request.trial_ids, "trial_ids")
         await self.datastore.delete_trials(list(request.trial_ids))
         return trial_datastore_pb2.DeleteTrialsReply()
 
@@ -182,6 +219,13 @@ class TrialStatusServicer:
     async def RetrieveTrialStatuses(
         self, request: trial_status_pb2.RetrieveTrialStatusesRequest, context: Any
     ) -> trial_status_pb2.RetrieveTrialStatusesReply:
+        checked_list(request.trial_ids, "trial_ids")
+        checked_size(
+            sum(utf8_size(trial_id) for trial_id in request.trial_ids),
+            "trial ids bytes",
+            MAX_STATUS_IDS_BYTES,
+            "MAX_STATUS_IDS_BYTES",
+        )
         statuses = await self.datastore.trial_statuses(list(request.trial_ids))
         return trial_status_pb2.RetrieveTrialStatusesReply(
             statuses=[trial_status_message(status) for status in statuses]
@@ -215,9 +259,12 @@ class TrialSamplesServicer:
     async def RetrieveSampleRange(
         self, request: trial_samples_pb2.RetrieveSampleRangeRequest, context: Any
     ) -> trial_samples_pb2.RetrieveSampleRangeReply:
+        if request.count > RANGE_MAX_COUNT:
+            raise InvalidArgument(f"count [{request.count}] is over {RANGE_MAX_COUNT}")
+        trial_id = checked_id(request.trial_id, "trial id")
         tick = request.tick if request.HasField("tick") else None
         samples, first, count = await self.datastore.sample_range(
-            request.trial_id, request.first, request.count, tick
+            trial_id, request.first, request.count, tick
         )
         return trial_samples_pb2.RetrieveSampleRangeReply(
             samples=[trial_datastore_pb2.StoredTrialSample.FromString(data) for data in samples],
@@ -246,9 +293,9 @@ class DatalogIngestion:
             raise InvalidArgument(
                 'DatalogServer.RunTrialDatalog: initial message is not of type "cogment.TrialParams"'
             )
-        opening = asyncio.ensure_future(
-            self.datastore.open_datalog(ids[0], users[0] if users else "", first.trial_params, api)
-        )
+        user_id = users[0] if users else ""
+        _check_trial(ids[0], user_id, first.trial_params)
+        opening = asyncio.ensure_future(self.datastore.open_datalog(ids[0], user_id, first.trial_params, api))
         try:
             ingestion: Ingestion = await asyncio.shield(opening)
         except asyncio.CancelledError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import grpc
 from prometheus_client import Gauge
@@ -15,8 +16,8 @@ from services.directory.index import FollowedIndex
 from services.directory.secret_key import directory_key
 from services.directory.servicer import add_servicers
 from services.directory.store import DirectoryStore
-from shared.api import directory_entries_pb2, directory_pb2
 from shared.config import Option, non_negative_float, non_negative_int, parse_bool, positive_float
+from shared.db import Database
 from shared.endpoints import SERVICE_TYPES
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
@@ -98,6 +99,8 @@ OPTIONS: list[Option] = [
 class DirectorySettings(ServerSettings):
     """The values of OPTIONS."""
 
+    options: ClassVar[Sequence[Option]] = OPTIONS
+
     registration_lag: int
     registration_check_wait: float
     load_balancing: bool
@@ -118,11 +121,10 @@ entries_gauge = Gauge(
 class DirectoryService(Service[DirectorySettings]):
     name = "directory"
     settings_type = DirectorySettings
-    options = OPTIONS
     description = "Cogment Directory: service registration, discovery and health checking."
 
-    def __init__(self, settings: DirectorySettings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: DirectorySettings, *, database: Database | None = None) -> None:
+        super().__init__(settings, database=database)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DirectoryStore(self.database)
         # On a database of one host (SQLite) every change is heard from the start: this process's
@@ -134,13 +136,6 @@ class DirectoryService(Service[DirectorySettings]):
         # The entry count when the planner's statistics were last refreshed.
         self._analyzed_at_count: int | None = None
         self.directory: Directory | None = None
-
-    @property
-    def grpc_service_names(self) -> Sequence[str]:
-        return [
-            directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"].full_name,
-            directory_entries_pb2.DESCRIPTOR.services_by_name["DirectoryEntriesSP"].full_name,
-        ]
 
     async def start(self, runtime: ServiceRuntime) -> None:
         log.info("opening database", database=self.database.display_url)
@@ -176,9 +171,9 @@ class DirectoryService(Service[DirectorySettings]):
         self.checker.start()
         self._maintenance.start()
 
-    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> Sequence[str]:
         assert self.directory is not None, "start() comes first"
-        add_servicers(server, self.directory, runtime)
+        return add_servicers(server, self.directory, runtime)
 
     async def stop(self) -> None:
         await self.checker.stop()

@@ -169,20 +169,15 @@ def _refusal(error: Exception, unexpected: str, action: str) -> str:
     return f"{unexpected} [{type(error).__name__}]"
 
 
-def add_servicers(server: grpc.aio.Server, directory: Directory, runtime: ServiceRuntime) -> None:
-    """Serve the directory's gRPC services on `server`."""
-    add_servicer(
-        server,
-        directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"],
-        DirectoryServicer(directory, runtime),
-        response_serializers={"Inquire": pre_encoded},
-        raw_requests=["Inquire"],
-    )
-    add_servicer(
-        server,
-        directory_entries_pb2.DESCRIPTOR.services_by_name["DirectoryEntriesSP"],
-        DirectoryEntriesServicer(directory),
-    )
+def add_servicers(server: grpc.aio.Server, directory: Directory, runtime: ServiceRuntime) -> list[str]:
+    """Serve the directory's gRPC services on `server`; their full names."""
+    directory_sp = directory_pb2.DESCRIPTOR.services_by_name["DirectorySP"]
+    entries_sp = directory_entries_pb2.DESCRIPTOR.services_by_name["DirectoryEntriesSP"]
+    servicer = DirectoryServicer(directory, runtime)
+    return [
+        add_servicer(server, directory_sp, servicer, {"Inquire": pre_encoded}, raw_requests=["Inquire"]),
+        add_servicer(server, entries_sp, DirectoryEntriesServicer(directory)),
+    ]
 
 
 class DirectoryEntriesServicer:

@@ -28,7 +28,7 @@ from shared.handlers import fitting_count
 from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.supervision import FailureStreak, Periodic, cancel_and_wait
-from shared.validation import MAX_INT32_POSITION, parse_handle, quoted
+from shared.validation import MAX_INT32_POSITION, quoted
 
 # Downloads of a deleted or evicted version get this long to finish before its blob goes.
 GARBAGE_GRACE_S = 60.0
@@ -48,7 +48,7 @@ def _unsized(_item: object) -> int:
 
 
 # Offsets, numbers and counts beyond this are past the end of anything stored (and would overflow
-# a 32-bit SQL integer on PostgreSQL): they are clamped to it.
+# a 32-bit SQL integer): they are clamped to it.
 MAX_POSITION = MAX_INT32_POSITION
 
 
@@ -126,11 +126,10 @@ class ModelRegistry:
         log.info("model deleted", model_id=model_id)
 
     async def retrieve_models(
-        self, model_ids: Sequence[str], count: int, handle: str, reply_size: ReplySize[ModelInfo] = _unsized
-    ) -> tuple[list[ModelInfo], str]:
-        """Models from `handle`, at most `count` (0: all), and as many as fit one reply
-        (`reply_size`: an item's encoded size)."""
-        offset = parse_handle(handle, "model_handle", MAX_POSITION)
+        self, model_ids: Sequence[str], count: int, offset: int, reply_size: ReplySize[ModelInfo] = _unsized
+    ) -> tuple[list[ModelInfo], int]:
+        """Models from position `offset`, at most `count` (0: all), and as many as fit one reply
+        (`reply_size`: an item's encoded size); the position after them."""
         limit = clamp_count(count)
         if not model_ids:
             models = await self._store.list_models(offset, limit)
@@ -142,7 +141,7 @@ class ModelRegistry:
                 raise NotFound(f'no model "{quoted(missing[0])}" found')
             models = [found[model_id] for model_id in wanted]
         models = models[: fitting_count(map(reply_size, models))]
-        return models, str(offset + len(models))
+        return models, offset + len(models)
 
     # ---- versions ----
 
@@ -230,11 +229,11 @@ class ModelRegistry:
         model_id: str,
         numbers: Sequence[int],
         count: int,
-        handle: str,
+        start: int,
         reply_size: ReplySize[VersionInfo] = _unsized,
-    ) -> tuple[list[VersionInfo], str]:
-        """Versions from `handle`, at most `count` (0: all), as many as fit one reply."""
-        start = parse_handle(handle, "version_handle", MAX_POSITION)
+    ) -> tuple[list[VersionInfo], int]:
+        """Versions from position `start`, at most `count` (0: all), as many as fit one reply;
+        the position after them."""
         limit = clamp_count(count)
         if numbers:
             # As the reference: the handle is an offset into the requested numbers.
@@ -256,8 +255,7 @@ class ModelRegistry:
                 raise NotFound(f'no model "{quoted(model_id)}" found')
             infos = await self._store.list_versions(model_id, max(start, 1), limit)
         infos = infos[: fitting_count(map(reply_size, infos))]
-        next_handle = str(infos[-1].version_number + 1) if infos else str(start)
-        return infos, next_handle
+        return infos, infos[-1].version_number + 1 if infos else start
 
     async def version_data(self, record: VersionRecord) -> AsyncIterator[bytes | memoryview]:
         """The version's data in chunks of `chunk_size` (one empty chunk for no data); chunks

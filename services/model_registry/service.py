@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 
@@ -14,8 +15,9 @@ from services.model_registry.blobstore import BlobStore, BlobStoreError, LocalBl
 from services.model_registry.core import ModelRegistry
 from services.model_registry.servicer import add_servicers
 from services.model_registry.store import RegistryStore
-from shared.api import directory_pb2, model_registry_pb2
+from shared.api import directory_pb2
 from shared.config import Option, non_negative_int, parse_bool
+from shared.db import Database
 from shared.dependencies import Dependency
 from shared.errors import StartupError
 from shared.logging import get_logger
@@ -69,6 +71,8 @@ OPTIONS: list[Option] = [
 class ModelRegistrySettings(ServerSettings, RegistrationSettings):
     """The values of OPTIONS."""
 
+    options: ClassVar[Sequence[Option]] = OPTIONS
+
     archive_dir: str | None
     cache_max_items: int
     sent_version_chunk_size: int
@@ -102,15 +106,20 @@ def blob_store(settings: ModelRegistrySettings) -> BlobStore:
 class ModelRegistryService(Service[ModelRegistrySettings]):
     name = "model_registry"
     settings_type = ModelRegistrySettings
-    options = OPTIONS
     description = "Cogment Model Registry: models and their versions, data in a local directory or S3."
 
-    def __init__(self, settings: ModelRegistrySettings) -> None:
-        super().__init__(settings)
+    def __init__(
+        self,
+        settings: ModelRegistrySettings,
+        *,
+        database: Database | None = None,
+        blobs: BlobStore | None = None,
+    ) -> None:
+        super().__init__(settings, database=database)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = RegistryStore(self.database)
         try:
-            self.blobs = blob_store(settings)
+            self.blobs = blobs or blob_store(settings)
         except BlobStoreError as error:  # keys half given, an endpoint that is not one
             raise StartupError(str(error)) from None
         self.registry = ModelRegistry(
@@ -127,10 +136,6 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
         metrics.watch(subscribers=lambda: registry.version_update_streams)
         self.registration = self.directory_registration([directory_pb2.MODEL_REGISTRY_SERVICE])
 
-    @property
-    def grpc_service_names(self) -> Sequence[str]:
-        return [model_registry_pb2.DESCRIPTOR.services_by_name["ModelRegistrySP"].full_name]
-
     async def start(self, runtime: ServiceRuntime) -> None:
         log.info("opening storage", database=self.database.display_url, blobs=self.blobs.description)
         await self.database.migrate()
@@ -141,8 +146,8 @@ class ModelRegistryService(Service[ModelRegistrySettings]):
             raise StartupError(str(error)) from error
         self.registry.start()
 
-    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
-        add_servicers(server, self.registry, runtime)
+    def add_servicers(self, server: grpc.aio.Server, runtime: ServiceRuntime) -> Sequence[str]:
+        return add_servicers(server, self.registry, runtime)
 
     async def stop(self) -> None:
         await self.registry.stop()

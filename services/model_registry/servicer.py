@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from services.model_registry import metrics
-from services.model_registry.core import ModelRegistry, refusal_reason
+from services.model_registry.core import MAX_POSITION, ModelRegistry, refusal_reason
 from services.model_registry.model import ModelInfo, VersionHeader, VersionInfo
 from shared.api import model_registry_pb2
 from shared.errors import InvalidArgument, NotFound
@@ -21,6 +21,7 @@ from shared.validation import (
     checked_list,
     checked_size,
     checked_text,
+    parse_handle,
     text_bytes,
 )
 
@@ -49,14 +50,11 @@ def data_chunk_frame(chunk: bytes | memoryview) -> bytes:
     return field_one_frame(chunk) if chunk else b""  # proto3 leaves out an empty field
 
 
-def add_servicers(server: grpc.aio.Server, registry: ModelRegistry, runtime: ServiceRuntime) -> None:
-    """Serve the model registry's gRPC service on `server`."""
-    add_servicer(
-        server,
-        model_registry_pb2.DESCRIPTOR.services_by_name["ModelRegistrySP"],
-        ModelRegistryServicer(registry, runtime),
-        response_serializers={"RetrieveVersionData": pre_encoded},
-    )
+def add_servicers(server: grpc.aio.Server, registry: ModelRegistry, runtime: ServiceRuntime) -> list[str]:
+    """Serve the model registry's gRPC service on `server`; its full name."""
+    registry_sp = model_registry_pb2.DESCRIPTOR.services_by_name["ModelRegistrySP"]
+    servicer = ModelRegistryServicer(registry, runtime)
+    return [add_servicer(server, registry_sp, servicer, {"RetrieveVersionData": pre_encoded})]
 
 
 def _model_id(model_id: str) -> str:
@@ -108,14 +106,15 @@ class ModelRegistryServicer(VersionStatusMixin):
         self, request: model_registry_pb2.RetrieveModelsRequest, context: Any
     ) -> model_registry_pb2.RetrieveModelsReply:
         checked_list(request.model_ids, "model_ids")
-        models, handle = await self.registry.retrieve_models(
+        offset = parse_handle(request.model_handle, "model_handle", MAX_POSITION)
+        models, end = await self.registry.retrieve_models(
             list(request.model_ids),
             request.models_count,
-            request.model_handle,
+            offset,
             lambda model: model_info_message(model).ByteSize(),
         )
         return model_registry_pb2.RetrieveModelsReply(
-            model_infos=[model_info_message(model) for model in models], next_model_handle=handle
+            model_infos=[model_info_message(model) for model in models], next_model_handle=str(end)
         )
 
     async def CreateVersion(
@@ -159,15 +158,17 @@ class ModelRegistryServicer(VersionStatusMixin):
         self, request: model_registry_pb2.RetrieveVersionInfosRequest, context: Any
     ) -> model_registry_pb2.RetrieveVersionInfosReply:
         checked_list(request.version_numbers, "version_numbers")
-        infos, handle = await self.registry.retrieve_version_infos(
-            _model_id(request.model_id),
+        model_id = _model_id(request.model_id)
+        start = parse_handle(request.version_handle, "version_handle", MAX_POSITION)
+        infos, end = await self.registry.retrieve_version_infos(
+            model_id,
             list(request.version_numbers),
             request.versions_count,
-            request.version_handle,
+            start,
             lambda info: version_info_message(info).ByteSize(),
         )
         return model_registry_pb2.RetrieveVersionInfosReply(
-            version_infos=[version_info_message(info) for info in infos], next_version_handle=handle
+            version_infos=[version_info_message(info) for info in infos], next_version_handle=str(end)
         )
 
     async def RetrieveVersionData(

@@ -47,6 +47,7 @@ from tests.helpers.datastore import (
     send_acknowledged,
     trial_params,
 )
+from tests.helpers.eventually import eventually
 from tests.helpers.fake_services import free_port
 from tests.helpers.running import RunningDatastore
 from tests.helpers.services import PROJECT_ROOT, clean_environment
@@ -651,11 +652,11 @@ async def test_an_interrupted_import_leaves_no_trial(datastore: RunningDatastore
         # import waits for the rest of the last sample.
         process.stdin.write(data[:-1])
         process.stdin.flush()
-        for _ in range(600):
-            if set(await infos(datastore)) == {"a", "b"}:
-                break
-            await asyncio.sleep(0.05)
-        assert set(await infos(datastore)) == {"a", "b"}
+
+        async def both_created() -> bool:
+            return set(await infos(datastore)) == {"a", "b"}
+
+        await eventually(both_created, "the first trials to be imported", timeout_s=30)
         process.send_signal(signal.SIGINT)
         # Its input stays open until it said so: closed sooner, the truncated file could fail the
         # import first (and it waits for the thread reading its input to end before exiting).

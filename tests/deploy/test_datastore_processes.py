@@ -4,6 +4,7 @@ reports the load its ingestion puts on it."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import grpc
 
 from shared.api import common_pb2, datalog_pb2_grpc, directory_pb2, trial_datastore_pb2_grpc
 from tests.helpers.datastore import datalog_inputs, full_trial, trial_params
+from tests.helpers.eventually import wait_until
 from tests.helpers.services import directory_entries, start_service
 
 
@@ -22,12 +24,13 @@ def test_registers_as_datastore_and_datalog_and_deregisters_on_shutdown(tmp_path
         datastore_args = ["--database_url", f"sqlite+aiosqlite:///{tmp_path / 'datastore.db'}"]
         env = {"COGMENT_DIRECTORY_ENDPOINT": directory.endpoint}
         with start_service("services.datastore", datastore_args, env=env, log_dir=tmp_path) as datastore:
-            deadline = time.monotonic() + 15
             for service_type in types:
-                while not (found := directory_entries(directory.address, service_type)):
-                    assert time.monotonic() < deadline, f"the datastore did not register as {service_type}"
-                    time.sleep(0.2)
-                (entry,) = found
+                (entry,) = wait_until(
+                    functools.partial(directory_entries, directory.address, service_type),
+                    f"the datastore to register as {service_type}",
+                    timeout_s=15,
+                    interval_s=0.2,
+                )
                 assert (entry.endpoint.host, entry.endpoint.port) == ("127.0.0.1", datastore.port)
                 assert "__version" in entry.details.properties
         assert datastore.process.returncode == 0

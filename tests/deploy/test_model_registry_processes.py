@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from shared.api import directory_pb2
+from tests.helpers.eventually import wait_until
 from tests.helpers.services import PROJECT_ROOT, directory_entries, start_service
 
 
@@ -34,11 +35,12 @@ def test_registers_in_the_directory_and_deregisters_on_shutdown(tmp_path: Path) 
         env = {"COGMENT_DIRECTORY_ENDPOINT": directory.endpoint}
         args = registry_args(tmp_path)
         with start_service("services.model_registry", args, env=env, log_dir=tmp_path) as registry:
-            deadline = time.monotonic() + 15
-            while not (found := directory_entries(directory.address, directory_pb2.MODEL_REGISTRY_SERVICE)):
-                assert time.monotonic() < deadline, "the registry did not register itself"
-                time.sleep(0.2)
-            (entry,) = found
+            (entry,) = wait_until(
+                lambda: directory_entries(directory.address, directory_pb2.MODEL_REGISTRY_SERVICE),
+                "the registry to register itself",
+                timeout_s=15,
+                interval_s=0.2,
+            )
             assert (entry.endpoint.host, entry.endpoint.port) == ("127.0.0.1", registry.port)
             assert entry.endpoint.protocol == directory_pb2.ServiceEndpoint.GRPC
             assert "__version" in entry.details.properties
@@ -55,10 +57,9 @@ def test_shutdown_stays_within_the_grace_when_the_directory_is_gone(tmp_path: Pa
         env = {"COGMENT_DIRECTORY_ENDPOINT": directory.endpoint}
         args = registry_args(tmp_path, "--shutdown_grace", str(grace_s))
         with start_service("services.model_registry", args, env=env, log_dir=tmp_path) as registry:
-            deadline = time.monotonic() + 15
-            while not registry.events("registered in the directory"):
-                assert time.monotonic() < deadline, "the registry did not register itself"
-                time.sleep(0.1)
+            wait_until(
+                lambda: registry.events("registered in the directory"), "its registration", timeout_s=15
+            )
             directory.terminate(signal.SIGKILL)
             asked = time.monotonic()
             # The bound is the grace plus the start and end of a Python process, far from 10 s.

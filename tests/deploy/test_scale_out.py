@@ -26,7 +26,6 @@ import os
 import secrets
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +50,7 @@ from shared.api import model_registry_pb2 as mr
 from shared.api import trial_datastore_pb2 as ds
 from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
 from tests.helpers.datastore import datalog_inputs, full_trial, trial_params
+from tests.helpers.eventually import wait_until
 from tests.helpers.helm import (
     SCALE_OUT_VALUES,
     LocalCommand,
@@ -341,10 +341,12 @@ def wait_registered(
     timeout_s: float = 30,
 ) -> None:
     for service_type, entries in expected.items():
-        deadline = time.monotonic() + timeout_s
-        while registered(channel, service_type) != entries and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert registered(channel, service_type) == entries, directory_pb2.ServiceType.Name(service_type)
+        wait_until(
+            lambda: registered(channel, service_type) == entries,  # noqa: B023 (called within the loop)
+            f"the {directory_pb2.ServiceType.Name(service_type)} entries {entries}",
+            timeout_s,
+            interval_s=0.1,
+        )
 
 
 def schema_revision(postgres_url: str) -> str | None:

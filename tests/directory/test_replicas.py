@@ -18,6 +18,7 @@ from services.directory.store import DirectoryStore
 from shared.api import directory_pb2
 from shared.db import Database
 from tests.helpers.directory import ACTOR, GRPC, OK, deregister, register, register_ok, request, visible_ids
+from tests.helpers.eventually import eventually
 from tests.helpers.fake_services import FakeCogmentService
 from tests.helpers.running import RunningDirectory, make_directory_factory
 
@@ -28,10 +29,11 @@ PROPAGATION_LIMIT_S = 5.0
 
 async def eventually_visible(d: RunningDirectory, expected: list[int], **kwargs: object) -> None:
     """Inquire until the answer is `expected` (another replica's change propagates)."""
-    deadline = time.monotonic() + PROPAGATION_LIMIT_S
-    while (found := await visible_ids(d, **kwargs)) != expected:
-        assert time.monotonic() < deadline, f"{found} instead of {expected}"
-        await asyncio.sleep(0.01)
+
+    async def answered() -> bool:
+        return await visible_ids(d, **kwargs) == expected
+
+    await eventually(answered, f"{expected} to be served", PROPAGATION_LIMIT_S, interval_s=0.01)
 
 
 async def test_an_entry_registered_through_one_replica_is_served_by_another(postgres_url: str) -> None:
@@ -86,10 +88,9 @@ async def test_a_replica_that_stops_hearing_changes_answers_from_the_database(
         monkeypatch.setattr(psycopg.AsyncConnection, "connect", refused)
         terminate = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%'"
         await first.service.database.fetch(text(terminate))
-        deadline = time.monotonic() + PROPAGATION_LIMIT_S
-        while second.service.index.current:
-            assert time.monotonic() < deadline, "the index did not notice"
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: not second.service.index.current, "the index to notice", PROPAGATION_LIMIT_S, 0.01
+        )
         # A change the second replica is not told of: it sees it at once all the same.
         (sid,) = await register_ok(first, request(ACTOR, {"while": "deaf"}))
         assert await visible_ids(second, properties={"while": "deaf"}) == [sid]
@@ -102,10 +103,7 @@ async def test_a_replica_that_stops_hearing_changes_answers_from_the_database(
 
 
 async def eventually_current(d: RunningDirectory) -> None:
-    deadline = time.monotonic() + PROPAGATION_LIMIT_S
-    while not d.service.index.current:
-        assert time.monotonic() < deadline, "the index is not current"
-        await asyncio.sleep(0.01)
+    await eventually(lambda: d.service.index.current, "the index to be current", PROPAGATION_LIMIT_S, 0.01)
 
 
 async def test_concurrent_permanent_registrations_through_replicas_make_one_entry(postgres_url: str) -> None:
@@ -195,10 +193,12 @@ async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: 
     burst instead of waiting for autovacuum."""
     async with make_directory_factory(postgres_url)() as directory:
         await register_ok(directory, *(request(ACTOR, {"n": str(i)}) for i in range(300)))
-        deadline = time.monotonic() + 15
-        while await analyzed_rows(directory.service.database) < 300:
-            assert time.monotonic() < deadline, "statistics were not refreshed"
-            await asyncio.sleep(0.5)
+        database = directory.service.database
+
+        async def analyzed() -> bool:
+            return await analyzed_rows(database) >= 300
+
+        await eventually(analyzed, "the statistics to be refreshed", timeout_s=15, interval_s=0.5)
 
 
 async def served_here_after_its_lost_answer(
@@ -214,10 +214,12 @@ async def served_here_after_its_lost_answer(
         with pytest.raises(grpc.aio.AioRpcError) as lost:
             await register(directory, registration)
     assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-    deadline = time.monotonic() + PROPAGATION_LIMIT_S
-    while len(await visible_ids(directory, properties=dict(registration.details.properties))) != 1:
-        assert time.monotonic() < deadline, "the entry is not served by the replica that wrote it"
-        await asyncio.sleep(0.01)
+    properties = dict(registration.details.properties)
+
+    async def served() -> bool:
+        return len(await visible_ids(directory, properties=properties)) == 1
+
+    await eventually(served, "the entry to be served by the replica that wrote it", PROPAGATION_LIMIT_S, 0.01)
     assert directory.service.index.current  # answered from memory, not from the database
 
 

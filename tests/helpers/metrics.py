@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
+from tests.helpers.eventually import wait_until
 from tests.helpers.services import RunningService
 
 # The families of ours: prometheus_client's own (python_*, process_*) are left out.
@@ -13,11 +13,7 @@ OUR_PREFIXES = ("cogment_", "grpc_server_")
 
 def metrics_text(service: RunningService, timeout_s: float = 10.0) -> str:
     """The service's /metrics, once its `serving metrics` line says where."""
-    deadline = time.monotonic() + timeout_s
-    while not service.events("serving metrics"):
-        assert time.monotonic() < deadline, "the service never served its metrics"
-        time.sleep(0.05)
-    [endpoint] = service.events("serving metrics")
+    [endpoint] = wait_until(lambda: service.events("serving metrics"), "its metrics to be served", timeout_s)
     with urllib.request.urlopen(f"http://127.0.0.1:{endpoint['port']}/metrics", timeout=5) as response:
         assert response.status == 200
         return str(response.read().decode())

@@ -63,7 +63,9 @@ async def run_in_process(service: S) -> AsyncIterator[S]:
 async def serving(service_class: type[S], *flags: str) -> AsyncIterator[tuple[S, grpc.aio.Channel]]:
     """Run a service in-process on 127.0.0.1 (a free port) with `flags`, and a channel to it."""
     argv = ["--port", "0", "--bind_address", "127.0.0.1", *flags]
-    values = parse_options(service_class.options, argv, prog="test", description="test", environ={})
+    values = parse_options(
+        service_class.settings_type.options, argv, prog="test", description="test", environ={}
+    )
     async with (
         run_in_process(service_class.from_values(values)) as service,
         grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel,

@@ -1,5 +1,6 @@
-"""The Model Registry's rules, on `ModelRegistry` itself (no gRPC): a real SQLite database and the
-in-memory blob store, so what the registry leaves in the store is checked exactly."""
+"""The Model Registry's rules, on `ModelRegistry` itself (no gRPC): the service composed with a
+real SQLite database and the in-memory blob store, so what the registry leaves in the store is
+checked exactly."""
 
 from __future__ import annotations
 
@@ -16,15 +17,12 @@ import services.model_registry.core as registry_core
 from services.model_registry.blobstore import MemoryBlobStore
 from services.model_registry.core import ModelRegistry
 from services.model_registry.model import VersionHeader, VersionInfo
+from services.model_registry.service import ModelRegistryService, ModelRegistrySettings
 from services.model_registry.store import RegistryStore
-from shared.db import Database
 from shared.errors import InvalidArgument, NotFound
-from shared.notify import ChangeFeed
 from tests.helpers.digest import sha256_b64
 
 CHUNK = 5  # small chunks: every upload and read goes through several
-# SQLite wakes watchers in this process, whatever the channel.
-CHANNEL = "model_registry_core_test"
 UPDATE_TIMEOUT_S = 5.0
 
 
@@ -37,21 +35,21 @@ class Registry:
 
 @pytest.fixture
 async def registry(tmp_path: Path) -> AsyncIterator[Registry]:
-    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'model_registry.db'}")
-    await database.migrate()
-    feed = ChangeFeed(database, CHANNEL)
-    await feed.start()
     blobs = MemoryBlobStore()
+    settings = ModelRegistrySettings.with_defaults(
+        data_dir=str(tmp_path), cache_max_items=100, sent_version_chunk_size=CHUNK
+    )
+    service = ModelRegistryService(settings, blobs=blobs)
+    await service.database.migrate()
+    await service.feed.start()
     await blobs.start()
-    store = RegistryStore(database)
-    core = ModelRegistry(store, feed, blobs, cache_max_items=100, chunk_size=CHUNK)
     try:
-        yield Registry(core, store, blobs)
+        yield Registry(service.registry, service.store, blobs)
     finally:
-        await core.stop()
+        await service.registry.stop()
         await blobs.close()
-        await feed.stop()
-        await database.close()
+        await service.feed.stop()
+        await service.database.close()
 
 
 async def chunks_of(data: bytes, size: int = 3) -> AsyncIterator[bytes]:
@@ -87,7 +85,7 @@ async def data_of(registry: Registry, model_id: str, number: int) -> bytes:
 
 
 async def numbers(registry: Registry, model_id: str) -> list[int]:
-    infos, _ = await registry.core.retrieve_version_infos(model_id, [], 0, "")
+    infos, _ = await registry.core.retrieve_version_infos(model_id, [], 0, 0)
     return [info.version_number for info in infos]
 
 
@@ -170,7 +168,7 @@ async def test_unknown_model_is_rejected(registry: Registry) -> None:
     assert registry.blobs.keys == []
     assert registry.blobs.incomplete_uploads == 0
     with pytest.raises(NotFound):
-        await registry.core.retrieve_version_infos("nobody", [], 0, "")
+        await registry.core.retrieve_version_infos("nobody", [], 0, 0)
     with pytest.raises(NotFound):
         await registry.core.delete_model("nobody")
     with pytest.raises(NotFound):

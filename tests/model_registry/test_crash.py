@@ -36,13 +36,11 @@ from sqlalchemy import select
 import services.model_registry.core as registry_core
 from services.model_registry.blobstore import BlobStore, LocalBlobStore, S3BlobStore
 from services.model_registry.blobstore.local import INCOMPLETE_DIR
-from services.model_registry.core import STALE_UPLOAD_S, ModelRegistry
-from services.model_registry.service import CHANGE_CHANNEL
-from services.model_registry.store import RegistryStore
+from services.model_registry.core import STALE_UPLOAD_S
+from services.model_registry.service import ModelRegistryService, ModelRegistrySettings
 from shared.api import model_registry_pb2 as mr
 from shared.api import model_registry_pb2_grpc
 from shared.db import Database
-from shared.notify import ChangeFeed
 from shared.schema import registry_blob_garbage, registry_versions
 from tests.helpers.digest import sha256_b64
 from tests.helpers.eventually import eventually
@@ -249,15 +247,10 @@ async def collect_abandoned_uploads(storage: Storage, monkeypatch: pytest.Monkey
     clock = types.SimpleNamespace(time_ns=lambda: time.time_ns() + later_ns, time=time.time)
     database = Database(storage.database_url)
     blobs = storage.make_blobs()
+    settings = ModelRegistrySettings.with_defaults()
+    registry = ModelRegistryService(settings, database=database, blobs=blobs).registry
     try:
         await blobs.start()
-        registry = ModelRegistry(
-            RegistryStore(database),
-            ChangeFeed(database, CHANGE_CHANNEL),
-            blobs,
-            cache_max_items=100,
-            chunk_size=MiB,
-        )
         with monkeypatch.context() as patch:
             patch.setattr(registry_core, "time", clock)
             collected = await registry.collect_garbage()

@@ -15,6 +15,7 @@ from services.model_registry.blobstore import BlobNotFound
 from services.model_registry.servicer import data_chunk_frame
 from shared.api import model_registry_pb2 as mr
 from tests.helpers.digest import sha256_b64
+from tests.helpers.eventually import eventually
 from tests.helpers.registry import CHUNK, as_stream, chunks, create_model, create_version, version_data
 from tests.helpers.running import RegistryFactory, RunningRegistry
 
@@ -272,11 +273,8 @@ async def test_version_update_streams_of_a_model_share_one_watch(registry: Runni
     assert {reply.version_info.version_number for reply in seconds} == {2}
     for stream in streams:
         stream.cancel()
-    for _ in range(50):  # the last stream gone, its watch stops
-        if not registry.service.registry._watches:
-            break
-        await asyncio.sleep(0.05)
-    assert registry.service.registry._watches == {}
+    # The last stream gone, its watch stops.
+    await eventually(lambda: registry.service.registry._watches == {}, "the watch to stop", timeout_s=2.5)
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16_383, 16_384, 2 * 1024 * 1024, 4 * 1024 * 1024 - 1])

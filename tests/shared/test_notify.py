@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ from shared.db.changes import Publication
 from shared.db.postgresql import LISTEN_CHECK_PERIOD_S
 from shared.db.sqlite import SQLITE_POLL_PERIOD_S
 from shared.notify import ChangeFeed
+from tests.helpers.eventually import eventually
 
 
 async def _notify(database: Database, keys: list[str]) -> None:
@@ -118,12 +119,11 @@ async def test_a_replica_listens_only_while_it_has_watches(postgres_url: str) ->
 
     async def becomes(statement: str, within_s: float) -> bool:
         """Whether some connection's last statement is `statement` within `within_s`."""
-        deadline = asyncio.get_running_loop().time() + within_s
-        while statement not in await last_queries():
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
+
+        async def seen() -> bool:
+            return statement in await last_queries()
+
+        return await eventually(seen, statement, within_s)
 
     try:
         await feed.start()
@@ -199,28 +199,20 @@ async def test_followers_hear_each_commit_once_and_others_through_notifications(
             feed.follow(follower)
             await feed.start()
         for follower in followers:  # listening began: anything may have changed before
-            await _eventually(lambda follower=follower: follower.heard == [None])
+            await eventually(lambda follower=follower: follower.heard == [None])
         await _notify(databases[0], ["entry:1", "entry:2"])
         # The other replica hears it through PostgreSQL, the origin mark left out...
-        await _eventually(lambda: followers[1].heard == [None, ["entry:1", "entry:2"]])
+        await eventually(lambda: followers[1].heard == [None, ["entry:1", "entry:2"]])
         # ...and the writer once, when it committed, not again when its own notification comes
         # back (the other replica's notification, sent after it, is heard: the writer's was before).
         await _notify(databases[1], ["entry:3"])
-        await _eventually(lambda: followers[0].heard == [None, ["entry:1", "entry:2"], ["entry:3"]])
+        await eventually(lambda: followers[0].heard == [None, ["entry:1", "entry:2"], ["entry:3"]])
         assert followers[0].lost_count == followers[1].lost_count == 0
     finally:
         for feed in feeds:
             await feed.stop()
         for database in databases:
             await database.close()
-
-
-async def _eventually(condition: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("not within 5 s")
 
 
 async def test_a_write_whose_caller_was_cancelled_wakes_watchers_once_it_commits(

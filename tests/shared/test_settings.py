@@ -34,6 +34,19 @@ def test_settings_fields_are_the_options(settings_type: type[Settings], options:
 @pytest.mark.parametrize(
     ("settings_type", "options"), SERVICES, ids=lambda item: getattr(item, "__name__", "")
 )
+def test_settings_built_in_code_are_the_defaults_but_what_is_given(
+    settings_type: type[Settings], options: list[Option]
+) -> None:
+    assert settings_type.options is options
+    parsed = parse_options(options, ["--port", "0"], prog="t", description="t", environ={})
+    assert settings_type.with_defaults(port=0) == settings_type.from_values(parsed)
+    with pytest.raises(TypeError, match="has no option prot"):
+        settings_type.with_defaults(prot=0)
+
+
+@pytest.mark.parametrize(
+    ("settings_type", "options"), SERVICES, ids=lambda item: getattr(item, "__name__", "")
+)
 def test_settings_hold_the_parsed_values(settings_type: type[Settings], options: list[Option]) -> None:
     values = parse_options(
         options, ["--port", "1234", "--shutdown_grace", "2.5"], prog="t", description="t", environ={}
