@@ -271,7 +271,8 @@ class DirectoryStore:
 
     async def refresh_statistics(self) -> None:
         """Have the database re-read the directory tables' statistics (its plans depend on them)."""
-        await self.db.fetch(text(f"ANALYZE {services.name}, {properties_table.name}"))
+        for table in (services, properties_table):
+            await self.db.fetch(text(f"ANALYZE {table.name}"))
 
     async def claim_due_checks(
         self, now_ns: int, lease_ns: int, limit: int, *, failing: bool = False

@@ -11,7 +11,7 @@ publishes the change-feed keys of what it changed (see shared.db.changes).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -131,7 +131,8 @@ class Database:
     def publish_to(self, channel: str, subscriber: Subscriber) -> Hearing:
         """From now on, tell `subscriber` of every commit, and other processes through `channel`.
         Returns what hears other processes' commits (start it to hear them)."""
-        assert self._subscriber is None, "one subscriber per database"
+        if self._subscriber is not None:
+            raise RuntimeError("a database has one change feed: this one has already")
         publication = Publication(channel, subscriber)
         self._subscriber = subscriber
         self.dialect.publication = publication
@@ -177,10 +178,9 @@ class Database:
         in one write transaction that changes `changed` (and `elsewhere`, as `Transaction.changed`);
         its result. For a hot path, where SQLAlchemy's work per statement would cost more than
         the database's."""
-        result: T = await self._published_after(
+        return await self._published_after(
             self.dialect.on_cursor(work, [*changed, *elsewhere]), changed, elsewhere
         )
-        return result
 
     async def write_statement(
         self,
@@ -192,23 +192,29 @@ class Database:
     ) -> list[tuple[Any, ...]]:
         """The rows of one statement of the dialect's own SQL, its own write transaction, which
         changes `changed` (and `elsewhere`): one round trip, for a hot path."""
-        rows: list[tuple[Any, ...]] = await self._published_after(
+        return await self._published_after(
             self.dialect.statement(sql, parameters, [*changed, *elsewhere]), changed, elsewhere
         )
-        return rows
 
-    async def _published_after(self, write: Any, changed: Sequence[str], elsewhere: Sequence[str]) -> Any:
+    async def _published_after(
+        self, write: Awaitable[T], changed: Sequence[str], elsewhere: Sequence[str]
+    ) -> T:
+        """The outcome of `write`, whose keys are published once it is over: also when its caller
+        was cancelled meanwhile (the connection's thread goes on, and its COMMIT may land after
+        the cancellation), and when it failed, since the outcome may be unknown (the connection
+        broke after the COMMIT was sent: other replicas may hear of it, so this process looks again
+        too, at everything it wrote)."""
+        done = asyncio.ensure_future(write)
+
+        def publish(outcome: asyncio.Future[T]) -> None:
+            failed = outcome.cancelled() or outcome.exception() is not None
+            self._published([*changed, *elsewhere] if failed else changed)
+
+        done.add_done_callback(publish)
         try:
-            result = await write
-        except Exception as error:
-            # The outcome may be unknown (the connection broke after the COMMIT was sent): other
-            # replicas may hear of it, so this process looks again too, at everything it wrote.
-            self._published([*changed, *elsewhere])
-            if isinstance(error, self.dialect.integrity_error):  # as SQLAlchemy raises it elsewhere
-                raise IntegrityError(None, None, error) from error
-            raise
-        self._published(changed)
-        return result
+            return await asyncio.shield(done)
+        except self.dialect.integrity_error as error:  # as SQLAlchemy raises it elsewhere
+            raise IntegrityError(None, None, error) from error
 
     def insert(self, table: Table) -> Any:
         """An INSERT of this database's dialect, which offers `on_conflict_do_nothing/update`."""

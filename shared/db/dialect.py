@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection, CursorResult
@@ -65,14 +65,14 @@ class Dialect(ABC):
         over, whatever its outcome."""
 
     @abstractmethod
-    async def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> T:
+    def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> Awaitable[T]:
         """`work` on a driver cursor in one write transaction, which tells other processes of
-        `keys`."""
+        `keys`: its outcome, once the connection's thread has run it (whoever still waits)."""
 
     @abstractmethod
-    async def statement(
+    def statement(
         self, sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
-    ) -> list[tuple[Any, ...]]:
+    ) -> Awaitable[list[tuple[Any, ...]]]:
         """The rows of one statement of this dialect's SQL, its own transaction, which tells other
         processes of `keys` where the statement says PUBLISHED: one round trip to the database."""
 

@@ -39,8 +39,9 @@ MAX_RECONNECT_DELAY_S = 0.5
 LISTEN_CHECK_PERIOD_S = 5.0
 
 _NOTIFY = text("SELECT pg_notify(:channel, :payload)")
-# A volatile subquery of one row joined to the main query: it runs once, when the main query has
-# rows (a statement that changed nothing has nothing to tell).
+# A volatile subquery of one row joined to the main query, part of the statement and its transaction:
+# it runs whenever the statement changed rows (and may when it changed none, or run twice: harmless,
+# a notification only says "look again", and PostgreSQL delivers one of identical payloads).
 _PUBLISHED_JOIN = (
     "CROSS JOIN (SELECT count(pg_notify(%(published_channel)s, payload)) AS sent "
     "FROM json_array_elements_text(%(published_payloads)s::json) AS payload) AS published"
@@ -131,7 +132,7 @@ class PostgresqlDialect(Dialect):
             return []
         return [(publication.channel, payload) for payload in publication.payloads(keys)]
 
-    async def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> T:
+    def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> asyncio.Future[T]:
         notices = self._payloads(keys)
 
         def run(connection: psycopg.Connection[Any]) -> T:
@@ -141,11 +142,11 @@ class PostgresqlDialect(Dialect):
                     cursor.execute(_DRIVER_NOTIFY, notice)
             return result
 
-        return await self._direct.submit(run)
+        return self._direct.submit(run)
 
-    async def statement(
+    def statement(
         self, sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
-    ) -> list[tuple[Any, ...]]:
+    ) -> asyncio.Future[list[tuple[Any, ...]]]:
         """The notifications are a join of the statement's main query (a second statement, even
         pipelined, cost the client more than the rest of a small batch's way there)."""
         notices = self._payloads(keys)
@@ -158,9 +159,7 @@ class PostgresqlDialect(Dialect):
             }
         else:
             statement = sql.replace(PUBLISHED, "")
-        return await self._direct.submit(
-            lambda connection: connection.execute(statement, parameters).fetchall()
-        )
+        return self._direct.submit(lambda connection: connection.execute(statement, parameters).fetchall())
 
     def notify(self, connection: Connection, keys: Sequence[str]) -> None:
         for channel, payload in self._payloads(keys):

@@ -123,7 +123,7 @@ class SqliteDialect(Dialect):
         done.add_done_callback(lambda _: finished())
         return await asyncio.shield(done)
 
-    async def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> T:
+    def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> asyncio.Future[T]:
         """The writer thread's driver cursor, in BEGIN IMMEDIATE ... COMMIT (rolled back if
         anything fails). For the hot paths: at one small transaction per call, SQLAlchemy's
         transaction machinery cost the writer thread more than SQLite's own work."""
@@ -146,14 +146,14 @@ class SqliteDialect(Dialect):
             finally:
                 cursor.close()
 
-        return await self._writer.submit(run)
+        return self._writer.submit(run)
 
-    async def statement(
+    def statement(
         self, sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
-    ) -> list[tuple[Any, ...]]:
+    ) -> asyncio.Future[list[tuple[Any, ...]]]:
         # Nothing to join: other processes notice commits to the file.
         statement = sql.replace(PUBLISHED, "")
-        return await self.on_cursor(lambda cursor: cursor.execute(statement, parameters).fetchall(), keys)
+        return self.on_cursor(lambda cursor: cursor.execute(statement, parameters).fetchall(), keys)
 
     def notify(self, connection: Connection, keys: Sequence[str]) -> None:
         """Nothing to send: other processes notice commits to the file (`hear_others`)."""

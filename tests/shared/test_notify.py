@@ -7,6 +7,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -236,3 +237,27 @@ async def test_a_write_whose_caller_was_cancelled_wakes_watchers_once_it_commits
         assert not await watch.wait(0.1)
         release.set()
         assert await watch.wait(5)
+
+
+async def test_a_hot_path_write_whose_caller_was_cancelled_wakes_watchers_once_it_commits(
+    sqlite_feed: ChangeFeed,
+) -> None:
+    """The same for work on the driver's cursor (`write_on_cursor`, the datastore's sample
+    batches): the watchers are woken when the writer thread has committed, not at the cancellation."""
+    release = threading.Event()
+
+    def slow(cursor: Any) -> None:
+        assert release.wait(10)
+        cursor.execute("CREATE TABLE hot (x)")
+
+    with sqlite_feed.watch(["k"]) as watch:
+        writing = asyncio.create_task(sqlite_feed.database.write_on_cursor(slow, ["k"]))
+        await asyncio.sleep(0.1)  # the writer thread is in the transaction
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        assert not await watch.wait(0.1)
+        release.set()
+        assert await watch.wait(5)
+    rows = await sqlite_feed.database.fetch(text("SELECT count(*) FROM sqlite_master WHERE name = 'hot'"))
+    assert rows[0][0] == 1
