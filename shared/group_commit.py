@@ -92,6 +92,7 @@ class GroupCommit(Generic[S, W]):
     def start(self) -> None:
         """Write from now on (what was queued before, too)."""
         self._started = True
+        self._stopping = False
         self._write_soon()
 
     def schedule(self, source: S) -> None:
@@ -153,7 +154,13 @@ class GroupCommit(Generic[S, W]):
             if source.dropped:
                 source.queued = False
                 continue
-            work, work_items, work_size = source.take(self.max_items - items)
+            try:
+                work, work_items, work_size = source.take(self.max_items - items)
+            except Exception as error:  # a bug: its source fails, rather than stall unwritten
+                log.error("could not take work", group_commit=self.name, exc_info=error)
+                source.queued = False
+                source.failed(error)
+                continue
             batch.append((source, work, work_size))
             items += work_items
             size += work_size
