@@ -91,7 +91,8 @@ async def test_trials_are_stored_as_the_orchestrator_logs_them(suite: Suite) -> 
     run_id = report["run_id"]
     assert trial_ids == [f"demo-{run_id}-{index}" for index in range(3)]
     infos = await stored_trials(suite, trial_ids)
-    assert list(infos) == trial_ids
+    # Recorded concurrently: the datastore lists them in the order their streams opened.
+    assert sorted(infos) == trial_ids
     published = {version["stage"]: version["version_number"] for version in report["model"]["versions"]}
 
     total_late = total_samples = total_messages = 0

@@ -29,6 +29,7 @@ from services.directory.model import (
 from services.directory.store import DirectoryStore
 from shared.db import Database
 from shared.notify import ChangeFeed
+from tests.helpers.eventually import eventually
 
 TYPES = [UNKNOWN_SERVICE, 3, 4]  # UNKNOWN_SERVICE in an inquiry: any type
 properties = st.dictionaries(st.sampled_from("abc"), st.sampled_from("xy"), max_size=3)
@@ -107,6 +108,7 @@ async def test_the_followed_index_holds_what_was_written_and_pages_wide_answers(
     feed.follow(index)
     index.start()
     try:
+        await eventually(lambda: index.current, "the index to load")
         # Permanent entries: the store has the index read them back (unlike new unchecked entries,
         # which Directory.register puts in as written).
         added = [
@@ -139,6 +141,8 @@ async def test_the_lag_is_measured_for_each_pass_that_applies_heard_changes(tmp_
     feed.follow(index)
     index.start()
     try:
+        # Loaded first: until then `caught_up` returns at once (inquiries go to the database).
+        await eventually(lambda: index.current, "the index to load")
         await index.caught_up()
         before = lag_seconds.count()
         for n in range(3):  # read back by the index, as a change heard of (see above)
