@@ -98,7 +98,8 @@ async def _tcp_probe(target: CheckTarget, timeout_s: float) -> bool:
     """Connect, send a harmless request line and read: any answer or EOF is healthy.
 
     Unlike the reference, the read has a deadline; a peer that accepts the connection but stays
-    silent is listening, so it counts as healthy.
+    silent is listening, so it counts as healthy, and so does one that resets what it accepted (a
+    server shedding load closes connections at once: it is there all the same).
     """
     try:
         reader, writer = await asyncio.wait_for(
@@ -107,17 +108,16 @@ async def _tcp_probe(target: CheckTarget, timeout_s: float) -> bool:
     except (OSError, asyncio.TimeoutError, UnicodeError, ValueError):
         return False
     try:
-        writer.write(TCP_PROBE)
-        await asyncio.wait_for(writer.drain(), timeout_s)
-        with contextlib.suppress(asyncio.TimeoutError):
+        # The connection was accepted: an answer, EOF, silence or a reset, something listens there.
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            writer.write(TCP_PROBE)
+            await asyncio.wait_for(writer.drain(), timeout_s)
             await asyncio.wait_for(reader.read(256), timeout_s)
-        return True
-    except OSError:
-        return False
     finally:
         writer.close()
         with contextlib.suppress(OSError, asyncio.TimeoutError):
             await asyncio.wait_for(writer.wait_closed(), 1.0)
+    return True
 
 
 async def check(target: CheckTarget) -> CheckResult:

@@ -344,6 +344,20 @@ async def test_healthy_services_stay_visible_with_their_load(directory: RunningD
             await fake.stop()
 
 
+async def test_a_tcp_service_that_resets_what_it_accepts_stays_visible(directory: RunningDirectory) -> None:
+    """A connection that was accepted is a listening service, even when the server resets it at
+    once (as a server shedding load does): the TCP check counts it as up."""
+    tcp = await FakeTcpService(resets=True).start()
+    try:
+        (sid,) = await register_ok(
+            directory, request(OTHER, {"r": "1"}, protocol=GRPC, host="127.0.0.1", port=tcp.port)
+        )
+        await eventually(lambda: tcp.connections >= 3, "three checks")
+        assert await visible_ids(directory, service_id=sid) == [sid]
+    finally:
+        await tcp.stop()
+
+
 async def test_stopped_tcp_service_is_removed(directory: RunningDirectory) -> None:
     tcp = await FakeTcpService().start()
     (sid,) = await register_ok(directory, request(OTHER, protocol=GRPC, host="127.0.0.1", port=tcp.port))

@@ -4,6 +4,8 @@ Status (or only Version), and a bare TCP listener. They count the calls they get
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from typing import Any
 
 import grpc
@@ -62,10 +64,12 @@ class FakeCogmentService:
 
 
 class FakeTcpService:
-    """A TCP listener on 127.0.0.1 that answers anything with a line, or stays silent."""
+    """A TCP listener on 127.0.0.1 that answers anything with a line, stays silent, or resets
+    each connection it accepts at once (a server shedding load)."""
 
-    def __init__(self, silent: bool = False) -> None:
+    def __init__(self, silent: bool = False, resets: bool = False) -> None:
         self.silent = silent
+        self.resets = resets
         self.connections = 0
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -78,6 +82,13 @@ class FakeTcpService:
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
         try:
+            if self.resets:
+                # No lingering: closing sends a reset, not the end of the stream.
+                writer.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                writer.transport.abort()
+                return
             if self.silent:
                 await asyncio.sleep(3600)
             await reader.read(256)
