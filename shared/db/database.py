@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import Index, Table, text
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, InvalidRequestError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -107,7 +106,6 @@ class Database:
             raise StartupError(
                 f"cannot use the database URL {self.display_url}: {error}; use {URL_FORMS}"
             ) from None
-        self._subscriber: Subscriber | None = None
 
     @property
     def display_url(self) -> str:
@@ -131,16 +129,16 @@ class Database:
     def publish_to(self, channel: str, subscriber: Subscriber) -> Hearing:
         """From now on, tell `subscriber` of every commit, and other processes through `channel`.
         Returns what hears other processes' commits (start it to hear them)."""
-        if self._subscriber is not None:
+        if self.dialect.publication is not None:
             raise RuntimeError("a database has one change feed: this one has already")
         publication = Publication(channel, subscriber)
-        self._subscriber = subscriber
         self.dialect.publication = publication
         return self.dialect.hearing(publication)
 
     def _published(self, keys: Sequence[str]) -> None:
-        if keys and self._subscriber is not None:
-            self._subscriber.changed(list(keys))
+        publication = self.dialect.publication
+        if keys and publication is not None:
+            publication.subscriber.changed(list(keys))
 
     async def fetch(
         self, statement: Executable, parameters: Mapping[str, Any] | None = None
@@ -218,8 +216,7 @@ class Database:
 
     def insert(self, table: Table) -> Any:
         """An INSERT of this database's dialect, which offers `on_conflict_do_nothing/update`."""
-        dialect: Any = postgresql if self.dialect.name == "postgresql" else sqlite
-        return dialect.insert(table)
+        return self.dialect.sql.insert(table)
 
     def conflict_target(self, index: Index) -> dict[str, Any]:
         """The `on_conflict_do_*` arguments naming the unique `index` (partial or not: with its

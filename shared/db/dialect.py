@@ -45,6 +45,8 @@ class Hearing(ABC):
 
 class Dialect(ABC):
     name: str
+    # SQLAlchemy's dialect module (its INSERT offers on_conflict_do_nothing/update).
+    sql: Any
     # Whether replicas on several hosts may share the database.
     shared_between_hosts: bool
     engine: AsyncEngine

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy import text
+from sqlalchemy.dialects import postgresql as sqlalchemy_postgresql
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.sql.base import Executable
@@ -38,15 +39,15 @@ MAX_RECONNECT_DELAY_S = 0.5
 # dropped without a word would otherwise leave every waiter asleep.
 LISTEN_CHECK_PERIOD_S = 5.0
 
-_NOTIFY = text("SELECT pg_notify(:channel, :payload)")
 # A volatile subquery of one row joined to the main query, part of the statement and its transaction:
 # it runs whenever the statement changed rows (and may when it changed none, or run twice: harmless,
 # a notification only says "look again", and PostgreSQL delivers one of identical payloads).
-_PUBLISHED_JOIN = (
-    "CROSS JOIN (SELECT count(pg_notify(%(published_channel)s, payload)) AS sent "
-    "FROM json_array_elements_text(%(published_payloads)s::json) AS payload) AS published"
+# Every payload of a change, one statement however many there are (see `_notices`).
+_NOTIFY_ALL = (
+    "SELECT count(pg_notify(%(published_channel)s, payload)) AS sent "
+    "FROM json_array_elements_text(%(published_payloads)s::json) AS payload"
 )
-_DRIVER_NOTIFY = "SELECT pg_notify(%s, %s)"
+_PUBLISHED_JOIN = f"CROSS JOIN ({_NOTIFY_ALL}) AS published"
 _LOCK = text("SELECT pg_advisory_xact_lock(:id)")
 
 T = TypeVar("T")
@@ -86,6 +87,7 @@ def _published(sql: str) -> str:
 
 class PostgresqlDialect(Dialect):
     name = "postgresql"
+    sql = sqlalchemy_postgresql
     integrity_error = psycopg.IntegrityError
     shared_between_hosts = True
 
@@ -126,20 +128,24 @@ class PostgresqlDialect(Dialect):
         finally:
             finished()
 
-    def _payloads(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+    def _notices(self, keys: Sequence[str]) -> dict[str, str] | None:
+        """The parameters of _NOTIFY_ALL telling of `keys` (None: nobody to tell, or nothing)."""
         publication = self.publication
         if publication is None or not keys:
-            return []
-        return [(publication.channel, payload) for payload in publication.payloads(keys)]
+            return None
+        return {
+            "published_channel": publication.channel,
+            "published_payloads": json.dumps(publication.payloads(keys)),
+        }
 
     def on_cursor(self, work: Callable[[Any], T], keys: Sequence[str]) -> asyncio.Future[T]:
-        notices = self._payloads(keys)
+        notices = self._notices(keys)
 
         def run(connection: psycopg.Connection[Any]) -> T:
             with connection.transaction(), connection.cursor() as cursor:
                 result = work(cursor)
-                for notice in notices:
-                    cursor.execute(_DRIVER_NOTIFY, notice)
+                if notices is not None:
+                    cursor.execute(_NOTIFY_ALL, notices)
             return result
 
         return self._direct.submit(run)
@@ -149,21 +155,18 @@ class PostgresqlDialect(Dialect):
     ) -> asyncio.Future[list[tuple[Any, ...]]]:
         """The notifications are a join of the statement's main query (a second statement, even
         pipelined, cost the client more than the rest of a small batch's way there)."""
-        notices = self._payloads(keys)
-        if notices:
+        notices = self._notices(keys)
+        if notices is not None:
             statement = _published(sql)
-            parameters = {
-                **parameters,
-                "published_channel": notices[0][0],
-                "published_payloads": json.dumps([payload for _, payload in notices]),
-            }
+            parameters = {**parameters, **notices}
         else:
             statement = sql.replace(PUBLISHED, "")
         return self._direct.submit(lambda connection: connection.execute(statement, parameters).fetchall())
 
     def notify(self, connection: Connection, keys: Sequence[str]) -> None:
-        for channel, payload in self._payloads(keys):
-            connection.execute(_NOTIFY, {"channel": channel, "payload": payload})
+        notices = self._notices(keys)
+        if notices is not None:
+            connection.exec_driver_sql(_NOTIFY_ALL, notices)
 
     def lock(self, connection: Connection, lock_id: int) -> None:
         connection.execute(_LOCK, {"id": lock_id})

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import create_engine, event
+from sqlalchemy.dialects import sqlite as sqlalchemy_sqlite
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import StaticPool
@@ -88,6 +89,7 @@ def _reset_after_failure(connection: Connection) -> Connection | None:
 
 class SqliteDialect(Dialect):
     name = "sqlite"
+    sql = sqlalchemy_sqlite
     integrity_error = sqlite3.IntegrityError
     shared_between_hosts = False
 
