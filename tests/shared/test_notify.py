@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -228,8 +228,16 @@ async def test_a_write_whose_caller_was_cancelled_wakes_watchers_once_it_commits
         transaction.changed(["k"])
         assert release.wait(10)
 
-    with sqlite_feed.watch(["k"]) as watch:
-        writing = asyncio.create_task(sqlite_feed.database.write(slow))
+    await _cancelled_then_committed(sqlite_feed, lambda: sqlite_feed.database.write(slow), release)
+
+
+async def _cancelled_then_committed(
+    feed: ChangeFeed, write: Callable[[], Coroutine[Any, Any, object]], release: threading.Event
+) -> None:
+    """Cancel `write`'s caller while its work waits for `release` on the writer thread: the
+    watchers of "k" must not be woken then, only once it has committed."""
+    with feed.watch(["k"]) as watch:
+        writing = asyncio.create_task(write())
         await asyncio.sleep(0.1)  # the writer thread is in the transaction
         writing.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -250,14 +258,8 @@ async def test_a_hot_path_write_whose_caller_was_cancelled_wakes_watchers_once_i
         assert release.wait(10)
         cursor.execute("CREATE TABLE hot (x)")
 
-    with sqlite_feed.watch(["k"]) as watch:
-        writing = asyncio.create_task(sqlite_feed.database.write_on_cursor(slow, ["k"]))
-        await asyncio.sleep(0.1)  # the writer thread is in the transaction
-        writing.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await writing
-        assert not await watch.wait(0.1)
-        release.set()
-        assert await watch.wait(5)
+    await _cancelled_then_committed(
+        sqlite_feed, lambda: sqlite_feed.database.write_on_cursor(slow, ["k"]), release
+    )
     rows = await sqlite_feed.database.fetch(text("SELECT count(*) FROM sqlite_master WHERE name = 'hot'"))
     assert rows[0][0] == 1
