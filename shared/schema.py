@@ -199,6 +199,17 @@ datastore_trial_properties = Table(
     Index(None, "pair_digest", "trial_seq"),
 )
 
+# How many samples each ingestion stream stored in its trial, written with them: an append retried
+# after its answer was lost finds its samples counted here and stores only what is missing.
+datastore_ingestion_streams = Table(
+    "datastore_ingestion_streams",
+    metadata,
+    _trial_reference(),
+    # Random, chosen by the stream's process when the stream opens.
+    Column("stream_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("appended", BigInteger, nullable=False),
+)
+
 datastore_samples = Table(
     "datastore_samples",
     metadata,

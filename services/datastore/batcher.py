@@ -13,7 +13,7 @@ its sender back. A stream may go over by the one message it was reading when the
 from __future__ import annotations
 
 import asyncio
-import functools
+import itertools
 import time
 
 from services.datastore import metrics
@@ -99,9 +99,12 @@ class SampleBatcher:
         started = time.monotonic()
         try:
             # An outage is ridden out: the samples stay here and are written once the database is
-            # back (their streams wait, unacknowledged), up to the outage bound.
+            # back (their streams wait, unacknowledged), up to the outage bound. An attempt that
+            # failed may have committed (its answer lost): the next ones are retries.
+            attempts = itertools.count()
             firsts = await self._dependencies.ride_out(
-                functools.partial(self._store.append, appends), on_held=metrics.outage_held_batches_total.inc
+                lambda: self._store.append(appends, retry=next(attempts) > 0),
+                on_held=metrics.outage_held_batches_total.inc,
             )
         except Exception as error:
             failure = classify(error)

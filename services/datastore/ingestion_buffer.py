@@ -9,6 +9,7 @@ second, per-sample futures would cost the event loop more than the conversion do
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 
 from services.datastore.model import ENDED, NO_STATE, SampleAppend
@@ -60,7 +61,10 @@ class IngestionBuffer:
         self._closing = False
         self._close_taken = False
         self.closed = False
+        # Identifies the stream's samples in the database (see SampleAppend).
+        self.stream = secrets.randbits(63)
         self.submitted = 0
+        self.taken = 0
         self.committed = 0
         # Bytes received and not yet committed (nor failed), and those not yet taken into a batch.
         self.in_flight_bytes = 0
@@ -124,7 +128,10 @@ class IngestionBuffer:
         close = self._closing and not self._samples
         self._close_taken = self._close_taken or close
         self.pending_bytes -= size
-        return SampleAppend(self.trial_seq, samples, last_state, ENDED in states, close), len(samples), size
+        ended = ENDED in states
+        append = SampleAppend(self.trial_seq, self.stream, self.taken, samples, last_state, ended, close)
+        self.taken += len(samples)
+        return append, len(samples), size
 
     def stored(self, append: SampleAppend, size: int) -> None:
         self.committed += len(append.samples)

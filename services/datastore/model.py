@@ -73,9 +73,16 @@ def interrupted(ended: bool, closed: bool) -> bool:
 
 @dataclass(frozen=True)
 class SampleAppend:
-    """Samples of one trial to store after its current ones, and what they change in the trial."""
+    """Samples of one trial to store after its current ones, and what they change in the trial.
+
+    `stream` and `position` make a second attempt recognisable: the trial records how many
+    samples each stream stored, so samples a lost-answer attempt already stored are not stored
+    again (see sample_sql)."""
 
     trial_seq: int
+    # The ingestion stream's id (random, 63 bits) and how many of its samples came before these.
+    stream: int
+    position: int
     samples: list[bytes]
     # State of the last in-sync sample that has one; None leaves the trial's state alone.
     last_state: int | None = None

@@ -247,13 +247,16 @@ class DatastoreStore:
 
     # ---- samples ----
 
-    async def append(self, appends: Sequence[SampleAppend]) -> list[int | None]:
-        """Store every append in one transaction. Returns, per append, the number of its first
-        sample in the trial, or None if the trial no longer exists (its samples are dropped)."""
+    async def append(self, appends: Sequence[SampleAppend], *, retry: bool = False) -> list[int | None]:
+        """Store every append in one transaction. Returns, per append, the number its first stored
+        sample got in the trial, or None if the trial no longer exists (its samples are dropped).
+        `retry`: an earlier attempt at the same appends may have committed (its outcome is
+        unknown); what it stored is not stored again."""
         seqs = [append.trial_seq for append in appends]
         keys = [samples_key(seq) for seq in dict.fromkeys(seqs)]
-        if self._sql.append_batch is None or len(keys) < len(appends):
-            return await self.db.write_on_cursor(functools.partial(self._sql.append, appends=appends), keys)
+        if retry or self._sql.append_batch is None or len(keys) < len(appends):
+            work = functools.partial(self._sql.append, appends=appends, verify=retry)
+            return await self.db.write_on_cursor(work, keys)
         rows = await self.db.write_statement(
             self._sql.append_batch,
             {
@@ -261,6 +264,8 @@ class DatastoreStore:
                     [
                         {
                             "trial_seq": append.trial_seq,
+                            "stream": append.stream,
+                            "position": append.position,
                             "added": len(append.samples),
                             "last_state": append.last_state,
                             "ended": append.ended,

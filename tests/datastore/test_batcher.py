@@ -4,8 +4,10 @@ each stream's samples in order and counted as committed, the close marker writte
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
+import psycopg
 import pytest
 
 from services.datastore.batcher import SampleBatcher
@@ -22,9 +24,9 @@ class RecordingStore(DatastoreStore):
 
     batches: list[list[SampleAppend]]
 
-    async def append(self, appends: list[SampleAppend]) -> list[int | None]:  # type: ignore[override]
+    async def append(self, appends: list[SampleAppend], *, retry: bool = False) -> list[int | None]:  # type: ignore[override]
         self.batches.append(list(appends))
-        return await super().append(appends)
+        return await super().append(appends, retry=retry)
 
 
 @pytest.fixture
@@ -126,10 +128,10 @@ async def test_one_batch_may_hold_a_trial_twice(store: RecordingStore) -> None:
     await store.delete_trials(["gone"])
     firsts = await store.append(
         [
-            SampleAppend(twice, [b"a0", b"a1"], last_state=None, ended=False, close=False),
-            SampleAppend(other, [b"o0"], last_state=common_pb2.RUNNING, ended=False, close=False),
-            SampleAppend(gone, [b"g0"], last_state=None, ended=False, close=False),
-            SampleAppend(twice, [b"b0"], last_state=common_pb2.ENDED, ended=True, close=False),
+            SampleAppend(twice, 1, 0, [b"a0", b"a1"], last_state=None, ended=False, close=False),
+            SampleAppend(other, 3, 0, [b"o0"], last_state=common_pb2.RUNNING, ended=False, close=False),
+            SampleAppend(gone, 4, 0, [b"g0"], last_state=None, ended=False, close=False),
+            SampleAppend(twice, 2, 0, [b"b0"], last_state=common_pb2.ENDED, ended=True, close=False),
         ]
     )
     assert firsts == [0, 0, None, 2]
@@ -138,9 +140,9 @@ async def test_one_batch_may_hold_a_trial_twice(store: RecordingStore) -> None:
     # Each trial once, with a close-only append: the one-statement path on PostgreSQL.
     firsts = await store.append(
         [
-            SampleAppend(other, [], last_state=None, ended=False, close=True),
-            SampleAppend(twice, [b"c0", b"c1"], last_state=None, ended=False, close=True),
-            SampleAppend(gone, [b"g1"], last_state=None, ended=False, close=True),
+            SampleAppend(other, 3, 1, [], last_state=None, ended=False, close=True),
+            SampleAppend(twice, 2, 1, [b"c0", b"c1"], last_state=None, ended=False, close=True),
+            SampleAppend(gone, 4, 1, [b"g1"], last_state=None, ended=False, close=True),
         ]
     )
     assert firsts == [1, 3, None]
@@ -151,6 +153,81 @@ async def test_one_batch_may_hold_a_trial_twice(store: RecordingStore) -> None:
         (5, True, True),
         (1, False, True),
     ]
+
+
+async def test_a_retried_append_stores_only_what_an_earlier_attempt_did_not(store: RecordingStore) -> None:
+    """An append retried after an attempt whose outcome is unknown: what that attempt stored
+    (recorded per stream, whichever way it was written) is not stored again."""
+    seq, other = [await store.upsert_trial(name, "u", b"", {}, 0) for name in ["t", "other"]]
+    # Each trial once: on PostgreSQL, the one-statement path records the positions.
+    first_attempt = [SampleAppend(seq, 7, 0, [b"s0", b"s1"]), SampleAppend(other, 8, 0, [b"o0"])]
+    assert await store.append(first_attempt) == [0, 0]
+    # Its answer was lost: tried again, nothing is stored twice, and the trial's flags still apply.
+    retried = [SampleAppend(seq, 7, 0, [b"s0", b"s1"], ended=True), SampleAppend(other, 8, 0, [b"o0"])]
+    assert await store.append(retried, retry=True) == [2, 1]
+    # Another stream of the same trial, and this stream's next samples after a partial overlap.
+    assert await store.append(
+        [SampleAppend(seq, 9, 0, [b"x0"]), SampleAppend(seq, 7, 1, [b"s1", b"s2"])], retry=True
+    ) == [2, 3]
+    assert await store.read_samples(seq, 0, 10) == [b"s0", b"s1", b"x0", b"s2"]
+    assert await store.read_samples(other, 0, 10) == [b"o0"]
+    progress = await store.progress(seq)
+    assert progress is not None and (progress.samples_count, progress.ended) == (4, True)
+    # A first attempt is not checked against what is recorded (nothing can be there).
+    assert await store.append([SampleAppend(other, 8, 1, [b"o1"])]) == [1]
+    assert await store.read_samples(other, 0, 10) == [b"o0", b"o1"]
+
+
+def _lose_answers(database: Database, patch: pytest.MonkeyPatch, times: int) -> list[int]:
+    """The next `times` sample writes commit, but their answers are lost (the connection broke
+    once the database had committed); returns the count of answers lost so far."""
+    lost: list[int] = []
+    dialect = database.dialect
+
+    def losing(write: Callable[..., asyncio.Future[Any]]) -> Callable[..., asyncio.Future[Any]]:
+        def lose(*args: Any) -> asyncio.Future[Any]:
+            committed = write(*args)
+            if len(lost) >= times:
+                return committed
+            lost.append(1)
+            answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+            def swallow(done: asyncio.Future[Any]) -> None:
+                assert done.exception() is None  # it committed
+                answer.set_exception(psycopg.OperationalError("server closed the connection unexpectedly"))
+
+            committed.add_done_callback(swallow)
+            return answer
+
+        return lose
+
+    patch.setattr(dialect, "on_cursor", losing(dialect.on_cursor))
+    patch.setattr(dialect, "statement", losing(dialect.statement))
+    return lost
+
+
+async def test_samples_whose_commit_answer_was_lost_are_stored_once(store: RecordingStore) -> None:
+    """The batcher rides a lost answer out like an outage and tries again; the retry finds the
+    samples stored and stores each once, in order."""
+    seqs = [await store.upsert_trial(f"t{index}", "u", b"", {}, 0) for index in range(3)]
+    batcher = SampleBatcher(store, max_samples=40)
+    with pytest.MonkeyPatch.context() as patch:
+        lost = _lose_answers(store.db, patch, times=3)
+        batcher.start()
+        buffers = [batcher.open(seq, DATALOG_API) for seq in seqs]
+        for number in range(50):
+            for buffer in buffers:
+                buffer.add(f"{buffer.trial_seq}:{number}".encode(), common_pb2.RUNNING)
+        for buffer in buffers:
+            buffer.close()
+        await asyncio.wait_for(asyncio.gather(*(_settled(buffer) for buffer in buffers)), 30)
+    await batcher.stop()
+    assert len(lost) == 3
+    assert [buffer.failure for buffer in buffers] == [None, None, None]
+    for buffer in buffers:
+        assert await store.read_samples(buffer.trial_seq, 0, 1000) == [
+            f"{buffer.trial_seq}:{number}".encode() for number in range(50)
+        ]
 
 
 async def _committed(buffer: IngestionBuffer, count: int) -> None:
