@@ -5,6 +5,12 @@ once they have every sample. A process killed with its streams closes nothing: w
 open, its process renews the trial's lease (a deadline in the trial's row) every third of
 `lease_s`; every replica, the restarted process among them, closes the trials whose lease
 expired. A new datalog stream for the trial reopens it, as after any close.
+
+A stream rides a database outage out for up to the outage bound, its samples held. An outage seen
+by every replica delays every sweep (below); one that only the ingesting process sees (its network
+to the database) does not, so its leases must outlive the bound: a lease renewed a third of it
+before the outage began still holds after two thirds of it, hence `check_outage_bound`. Once the
+database is back, leases are renewed at once.
 """
 
 from __future__ import annotations
@@ -15,12 +21,27 @@ from collections import Counter
 from services.datastore import metrics
 from services.datastore.store import DatastoreStore
 from shared.dependencies import Dependencies
+from shared.errors import StartupError
 from shared.logging import get_logger
 from shared.supervision import Periodic
 
-DEFAULT_LEASE_S = 30.0
+DEFAULT_LEASE_S = 45.0
+# The part of a lease that outlives an outage that began just before a renewal was due.
+LEASE_LEFT_AFTER_A_RENEWAL_PERIOD = 2 / 3
 
 log = get_logger("datastore.leases")
+
+
+def check_outage_bound(lease_s: float, outage_bound_s: float) -> None:
+    """Refuse an outage bound that a lease would not outlive (see above)."""
+    longest = lease_s * LEASE_LEFT_AFTER_A_RENEWAL_PERIOD
+    if outage_bound_s > longest:
+        raise StartupError(
+            f"--outage_bound ({outage_bound_s:g} s) must be at most two thirds of --ingestion_lease "
+            f"({lease_s:g} s): a replica could otherwise close a trial whose stream is still riding "
+            f"an outage out; lower --outage_bound to {longest:g} or raise --ingestion_lease to "
+            f"{outage_bound_s / LEASE_LEFT_AFTER_A_RENEWAL_PERIOD:g}"
+        )
 
 
 class IngestionLeases:
@@ -40,6 +61,11 @@ class IngestionLeases:
 
     def start(self) -> None:
         self._keeper.start()
+        self._dependencies.on_change(self._renew_on_return)
+
+    async def _renew_on_return(self, ready: bool) -> None:
+        if ready:
+            self._keeper.wake()
 
     async def stop(self) -> None:
         await self._keeper.stop()

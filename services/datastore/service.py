@@ -17,7 +17,7 @@ from services.datastore.batcher import (
     SampleBatcher,
 )
 from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
-from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases
+from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases, check_outage_bound
 from services.datastore.servicer import add_servicers
 from services.datastore.store import DatastoreStore
 from shared.api import directory_pb2
@@ -55,7 +55,8 @@ OPTIONS: list[Option] = [
            "go over by the one message it was reading)", DEFAULT_MAX_IN_FLIGHT_BYTES,
            f"{ENV_PREFIX}_INGESTION_BYTES", positive_int),
     Option("ingestion_lease", "seconds after which a trial whose ingesting process died (its "
-           "stream never closed) is closed as interrupted, by any replica", DEFAULT_LEASE_S,
+           "stream never closed) is closed as interrupted, by any replica; at least 1.5 times "
+           "--outage_bound", DEFAULT_LEASE_S,
            f"{ENV_PREFIX}_INGESTION_LEASE", positive_float),
     *registration_options("TRIAL_DATASTORE"),
 ]  # fmt: skip
@@ -84,6 +85,7 @@ class DatastoreService(Service[DatastoreSettings]):
     description = "Cogment Trial Datastore: datalog ingestion, stored trials, replay and live samples."
 
     def __init__(self, settings: DatastoreSettings, *, database: Database | None = None) -> None:
+        check_outage_bound(settings.ingestion_lease, settings.outage_bound)
         super().__init__(settings, database=database)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
         self.store = DatastoreStore(self.database)

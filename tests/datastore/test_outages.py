@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -148,7 +150,7 @@ async def test_an_outage_longer_than_the_bound_fails_the_stream_with_unavailable
 async def test_a_killed_ingesting_replica_leaves_no_trial_running(postgres_url: str, tmp_path: Path) -> None:
     """kill -9 of the replica that ingests a trial: the other replica closes the trial when its
     lease expires, so a live reader waiting there ends with every acknowledged sample."""
-    lease = ("--ingestion_lease", "1.5")
+    lease = ("--ingestion_lease", "1.5", "--outage_bound", "1")
     args = ["--database_url", postgres_url, "--log_level", "info", *lease]
     with await asyncio.to_thread(start_service, "services.datastore", args, log_dir=tmp_path) as doomed:
         async with (
@@ -183,3 +185,20 @@ async def test_a_killed_ingesting_replica_leaves_no_trial_running(postgres_url: 
                 range(31)
             )
             stream.reader.cancel()
+
+
+def test_an_outage_bound_that_a_lease_would_not_outlive_is_refused_at_start(tmp_path: Path) -> None:
+    """A replica could close a trial whose stream still rides an outage out: the datastore says so,
+    naming both flags and what would do, and exits 1."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "services.datastore", "--port", "0", "--bind_address", "127.0.0.1",
+            "--data_dir", str(tmp_path), "--outage_bound", "40", "--ingestion_lease", "45",
+        ],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert "cannot start" in line
+    assert "--outage_bound (40 s) must be at most two thirds of --ingestion_lease (45 s)" in line
+    assert "lower --outage_bound to 30 or raise --ingestion_lease to 60" in line

@@ -358,13 +358,20 @@ async def test_dashboards_and_alerts_against_a_real_prometheus(
             )
         )  # fmt: skip
         datastore_url = postgres.create_database()
-        lease = ("--ingestion_lease", "1.5")
+        # The doomed replica's lease is short, so that the survivor closes its trial soon after
+        # the kill; the survivor rides the PostgreSQL outage out, which its lease must outlive.
         survivor = stack.enter_context(
-            await asyncio.to_thread(start, "services.datastore", "--database_url", datastore_url, *lease)
-        )
+            await asyncio.to_thread(
+                start, "services.datastore", "--database_url", datastore_url,
+                "--ingestion_lease", "30", "--outage_bound", "20",
+            )
+        )  # fmt: skip
         doomed = stack.enter_context(
-            await asyncio.to_thread(start, "services.datastore", "--database_url", datastore_url, *lease)
-        )
+            await asyncio.to_thread(
+                start, "services.datastore", "--database_url", datastore_url,
+                "--ingestion_lease", "1.5", "--outage_bound", "1",
+            )
+        )  # fmt: skip
         targets = {
             JOBS["directory"]: [directory],
             JOBS["model_registry"]: [registry],
