@@ -39,7 +39,7 @@ Each service also reads its own environment variables
 listed by `cogment-aux services <name> --help` and in the README; the logging flags above are
 passed to every service. A service's flags go in one argument; write it with `=` when it starts
 with `--`:
-  cogment-aux services all --directory="--port 9105" --trial_datastore="--port 9103 --outage_bound 60"
+  cogment-aux services all --directory="--port 9105" --trial_datastore="--port 9103 --ingestion_lease 90"
 (`python -m services` is the same command.)
 
 Ctrl-C or SIGTERM stops every service (a second one kills them); the exit status is then 0. When

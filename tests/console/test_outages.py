@@ -26,7 +26,7 @@ async def test_a_datastore_outage_is_a_503_and_the_console_recovers(
     faulty_postgres: PostgresCluster, tmp_path: Path
 ) -> None:
     url = faulty_postgres.create_database(new_database_name())
-    async with running_suite(tmp_path, url, "--outage_bound", "60") as suite:
+    async with running_suite(tmp_path, url, "--outage_bound", "60", "--ingestion_lease", "90") as suite:
         await record(suite.datastore, "before", ended_trial(3))
         sources = Sources(
             SourceSettings(

@@ -72,7 +72,7 @@ async def test_ingestion_in_flight_is_bounded_while_commits_stall(
     faulty_postgres: PostgresCluster, tmp_path: Path
 ) -> None:
     url = faulty_postgres.create_database(new_database_name())
-    args = ["--database_url", url, "--log_level", "info", "--outage_bound", "60"]
+    args = ["--database_url", url, "--log_level", "info", "--outage_bound", "60", "--ingestion_lease", "90"]
     args += ["--ingestion_bytes", str(INGESTION_BYTES)]
     with await asyncio.to_thread(start_service, "services.datastore", args, log_dir=tmp_path) as service:
         async with grpc.aio.insecure_channel(service.address) as channel:
