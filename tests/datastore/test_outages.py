@@ -14,12 +14,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from sqlalchemy import make_url
 
 from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
 from tests.fixtures.postgres import PostgresCluster, new_database_name
 from tests.helpers.datastore import datalog_sample, read_samples, trial_params
 from tests.helpers.exposed_metrics import delta, exposed
+from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.health import NOT_SERVING, SERVING, health, wait_for_health
 from tests.helpers.running import RunningDatastore, make_datastore_factory
 from tests.helpers.services import start_service
@@ -185,6 +187,31 @@ async def test_a_killed_ingesting_replica_leaves_no_trial_running(postgres_url: 
                 range(31)
             )
             stream.reader.cancel()
+
+
+async def test_samples_whose_commit_answer_was_lost_on_the_wire_are_stored_once(
+    postgres_cluster: PostgresCluster,
+) -> None:
+    """The connection breaks once PostgreSQL committed a batch, before its answer reached the
+    datastore: it rides that out like an outage, and its retry stores nothing twice."""
+    url = postgres_cluster.create_database(new_database_name())
+    port = make_url(url).port
+    assert port is not None
+    async with FaultProxy(port) as proxy, make_datastore_factory(proxy.url_for(url))() as datastore:
+        stream = DatalogStream(datastore.datalog, "t-lost")
+        stream.send(*(datalog_sample(tick) for tick in range(10)), params=trial_params())
+        await stream.wait_acks(11)
+        lost = proxy.arm_lost_commit(b"json_to_recordset")  # the batch statement
+        stream.send(*(datalog_sample(tick) for tick in range(10, 20)))
+        assert await lost.wait(WAIT_S), "the batch was rolled back, not committed"
+        stream.send(*(datalog_sample(tick) for tick in range(20, 30)), datalog_sample(30, common_pb2.ENDED))
+        await stream.wait_acks(32)
+        await stream.close()
+        assert [sample.tick_id for sample in await read_samples(datastore, ["t-lost"])] == list(range(31))
+        (info,) = (
+            await datastore.stub.RetrieveTrials(ds.RetrieveTrialsRequest(trial_ids=["t-lost"]))
+        ).trial_infos
+        assert info.samples_count == 31
 
 
 def test_an_outage_bound_that_a_lease_would_not_outlive_is_refused_at_start(tmp_path: Path) -> None:
