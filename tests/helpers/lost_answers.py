@@ -54,13 +54,15 @@ def lose_an_answer(
     return lost
 
 
-def break_before_commit(patch: pytest.MonkeyPatch, database: Database) -> list[tuple[Any, ...]]:
-    """The next write fails without reaching the database (nothing committed). Returns the
-    arguments of the writes that failed so (one at most)."""
+def break_before_commit(
+    patch: pytest.MonkeyPatch, database: Database, *, every: bool = False
+) -> list[tuple[Any, ...]]:
+    """The next write (`every`: every write) fails without reaching the database (nothing
+    committed). Returns the arguments of the writes that failed so."""
     broken: list[tuple[Any, ...]] = []
 
     async def around(real: Write, args: tuple[Any, ...]) -> Any:
-        if not broken:
+        if every or not broken:
             broken.append(args)
             raise connection_broke()
         return await real(*args)
