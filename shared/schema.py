@@ -111,7 +111,7 @@ registry_models = Table(
     # Canonical JSON (sorted keys) of the user data map.
     Column("user_data", Text, nullable=False),
     Column("created_at", BigInteger, nullable=False),
-    # The number the next version gets: taken with an UPDATE, whose row lock serializes the
+    # The number the next version gets: taken under the model's row lock, which serializes the
     # commits of every replica (unique, gap-free numbers).
     Column("next_version", Integer, nullable=False, default=1),
 )
@@ -132,11 +132,13 @@ registry_versions = Table(
     Column("data_hash", String(64), nullable=False),
     Column("data_size", BigInteger, nullable=False),
     Column("user_data", Text, nullable=False),
-    # Where the data lives in the blob store.
+    # Where the data lives in the blob store: a key drawn per upload, so a version's commit made
+    # again (its first answer was lost) finds the version it made by it (unique).
     Column("blob_key", String(255), nullable=False),
     # Least recently used transient versions are evicted first.
     Column("last_used_at", BigInteger, nullable=False),
     Index(None, "archived", "last_used_at"),
+    Index(None, "blob_key", unique=True),
 )
 
 # Blobs to delete once `delete_after` has passed: uploads in progress (so a crash leaves nothing

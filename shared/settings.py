@@ -141,8 +141,8 @@ def server_options(env_prefix: str, default_port: int) -> list[Option]:
         ),
         Option(
             "outage_bound",
-            "seconds streams (live reads, ingestion, VersionUpdate) wait for the database or blob "
-            "store to come back before failing with UNAVAILABLE",
+            "seconds streams (live reads, ingestion, VersionUpdate), registrations and version "
+            "commits wait for the database or blob store to come back before failing with UNAVAILABLE",
             DEFAULT_OUTAGE_BOUND_S,
             f"{env_prefix}_OUTAGE_BOUND",
             positive_float,

@@ -131,6 +131,15 @@ def index_rows_statement() -> Select[Any]:
 
 
 @functools.cache
+def nonces_statement() -> Select[Any]:
+    """The secret nonces of the entries of these ids that exist: whether a write whose outcome
+    was unknown committed (see EntryWrites)."""
+    return select(services.c.service_id, services.c.secret_nonce).where(
+        services.c.service_id.in_(bindparam("ids", expanding=True))
+    )
+
+
+@functools.cache
 def load_page_statement() -> Select[Any]:
     return (
         select(*_INDEX_COLUMNS)

@@ -126,7 +126,7 @@ class DirectoryService(Service[DirectorySettings]):
     def __init__(self, settings: DirectorySettings, *, database: Database | None = None) -> None:
         super().__init__(settings, database=database)
         self.feed = ChangeFeed(self.database, CHANGE_CHANNEL)
-        self.store = DirectoryStore(self.database)
+        self.store = DirectoryStore(self.database, self.dependencies)
         # On a database of one host (SQLite) every change is heard from the start: this process's
         # own, and other processes' by polling the file; on a shared one once the feed listens.
         self.index = FollowedIndex(self.store, listening=not self.database.shared_between_hosts)

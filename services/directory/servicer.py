@@ -23,7 +23,7 @@ from services.directory.model import (
     Registration,
 )
 from shared.api import directory_entries_pb2, directory_pb2
-from shared.errors import InvalidArgument, ServiceError, classify
+from shared.errors import InvalidArgument, ServiceError, Unavailable, classify
 from shared.handlers import add_servicer, parse_request, pre_encoded
 from shared.logging import get_logger
 from shared.runtime import ServiceRuntime, VersionStatusMixin
@@ -156,12 +156,18 @@ def directory_entry(entry: Entry) -> directory_entries_pb2.DirectoryEntry:
     )
 
 
+def _refused(error: Exception) -> bool:
+    """Whether a request failed with `error` through the client's fault (what the directory's
+    rules raise), not the directory's (an outage outlasting the bound raises Unavailable too)."""
+    return isinstance(error, ServiceError) and not isinstance(error, Unavailable)
+
+
 def _refusal(error: Exception, unexpected: str, action: str) -> str:
     """The `error_msg` of the FAILED reply to a request that failed with `error`: what the client
     got wrong, or `unexpected [error type]` for a bug (logged). A database that cannot be reached
     is raised instead: a status the client retries on, where a FAILED reply reads as a refusal
     that self-registering services do not retry (docs/compatibility.md#directory)."""
-    if isinstance(error, ServiceError):
+    if _refused(error):
         return str(error)
     if classify(error) is not None:
         raise error
@@ -291,7 +297,7 @@ class DirectoryServicer(VersionStatusMixin):
                 service_id, secret = await self.directory.register(registration, token)
             except Exception as error:
                 # Refused: the client's mistake; failed: the database, or a bug.
-                registrations_total.labels("refused" if isinstance(error, ServiceError) else "failed").inc()
+                registrations_total.labels("refused" if _refused(error) else "failed").inc()
                 message = _refusal(error, "Could not add service to database", "register a service")
                 yield directory_pb2.RegisterReply(
                     status=directory_pb2.RegisterReply.FAILED, error_msg=message

@@ -38,6 +38,7 @@ from services.directory.model import (
 )
 from shared import property_match
 from shared.db import Database, Transaction
+from shared.dependencies import Dependencies
 from shared.digest import pair_digest
 from shared.schema import directory_service_properties as properties_table
 from shared.schema import directory_services as services
@@ -68,10 +69,11 @@ def _remember(cache: OrderedDict[K, tuple[float, float]], key: K, value: tuple[f
 
 
 class DirectoryStore:
-    def __init__(self, database: Database) -> None:
-        """Every change to an entry says so (its key: `entry_keys`; see shared.notify)."""
+    def __init__(self, database: Database, dependencies: Dependencies | None = None) -> None:
+        """Every change to an entry says so (its key: `entry_keys`; see shared.notify).
+        `dependencies`: those whose outages registrations ride out (see EntryWrites)."""
         self.db = database
-        self._writes = EntryWrites(database)
+        self._writes = EntryWrites(database, dependencies)
         # Capped entry counts, with their monotonic expiry: per (name, value), and the last one
         # seen per name (the typical count of the name's values).
         self._pair_counts: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()

@@ -2,7 +2,10 @@
 
 Metadata lives in SQL (`RegistryStore`), version data in a blob store. A version becomes visible
 only once its data is fully stored: the blob is uploaded first (recorded as garbage until then,
-so a crash leaves it to the collector), then one transaction gives it the model's next number.
+so a crash leaves it to the collector), then one transaction gives it the model's next number
+and forgets the garbage record. That commit rides an outage out, and is made again when its
+answer was lost: it is idempotent by the upload's blob key, so a version ends up made once or
+not at all, and its blob is garbage exactly while no version holds it.
 Transient (non-archived) versions are kept up to `cache_max_items`, least recently used evicted
 first; archived versions are never evicted. Blobs of deleted and evicted versions are collected
 after a grace period, so downloads already under way finish.
@@ -179,15 +182,21 @@ class ModelRegistry:
         finally:
             metrics.received_bytes_total.inc(amount=received)
         now = time.time_ns()
-        info = await self._store.commit_version(
-            header.model_id,
-            blob_key,
-            archived=header.archived,
-            data_hash=data_hash,
-            data_size=size,
-            user_data=header.user_data,
-            creation_timestamp=header.creation_timestamp or now,
-            now_ns=now,
+        # Ridden out: the commit is made again once the database is back, also when its answer
+        # was lost and the version may exist (the commit is idempotent by blob key), so the
+        # client is told one outcome, and never retries into a second version of its data.
+        info = await self._dependencies.ride_out(
+            functools.partial(
+                self._store.commit_version,
+                header.model_id,
+                blob_key,
+                archived=header.archived,
+                data_hash=data_hash,
+                data_size=size,
+                user_data=header.user_data,
+                creation_timestamp=header.creation_timestamp or now,
+                now_ns=now,
+            )
         )
         if info is None:  # the model was deleted meanwhile; the blob is collected as garbage
             raise NotFound(f'no model "{quoted(header.model_id)}" found')

@@ -88,6 +88,8 @@ _TAKE_NUMBER = (
     .values(next_version=models.c.next_version + 1)
     .returning(models.c.next_version)
 )
+# The version an upload's blob was committed as (blob keys are unique).
+_VERSION_OF_BLOB = select(*_VERSION_COLUMNS).where(versions.c.blob_key == bindparam("blob_key"))
 _INSERT_VERSION = insert(versions)
 _FORGET_GARBAGE = delete(garbage).where(garbage.c.blob_key == bindparam("key"))
 # Archived versions are never touched: only transient ones are evicted. The `< now` condition
@@ -231,17 +233,26 @@ class RegistryStore:
         creation_timestamp: int,
         now_ns: int,
     ) -> VersionInfo | None:
-        """Add a version under the model's next number; None (nothing changed) if the model is gone."""
+        """Add a version under the model's next number; None (nothing changed) if the model is gone.
+
+        Idempotent: made again with the same `blob_key` (the answer to the first commit was lost
+        with the connection), it returns the version the first one made, as it was made, and
+        changes nothing.
+        """
         key = model_key(model_id)
         user_data_json = _canonical_json(user_data)
 
         def write(transaction: Transaction) -> VersionInfo | None:
-            # The row lock taken here serializes commits on the model across replicas (where the
-            # database serializes its writers, the write transaction already does).
-            next_number = transaction.execute(_TAKE_NUMBER, {"key": key}).scalar()
-            if next_number is None:
+            # The model's row lock first: it serializes commits on the model across replicas
+            # (where the database serializes its writers, the write transaction already does),
+            # and an earlier commit of this blob still under way on a broken connection has
+            # committed or rolled back once it is held, so the lookup below sees its outcome.
+            if transaction.execute(_LOCK_MODEL, {"key": key}).first() is None:
                 return None
-            number = int(next_number) - 1
+            made = transaction.execute(_VERSION_OF_BLOB, {"blob_key": blob_key}).first()
+            if made is not None:
+                return _version_info(model_id, made)
+            number = int(transaction.execute(_TAKE_NUMBER, {"key": key}).scalar_one()) - 1
             transaction.execute(
                 _INSERT_VERSION,
                 {

@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import grpc
 import psycopg
 import pytest
 from sqlalchemy import text
@@ -204,23 +203,23 @@ async def test_planner_statistics_follow_a_burst_of_registrations(postgres_url: 
 async def served_here_after_its_lost_answer(
     directory: RunningDirectory,
     registration: directory_pb2.RegisterRequest,
-    lose: Callable[[pytest.MonkeyPatch], None],
+    lose: Callable[[pytest.MonkeyPatch], list[object]],
 ) -> None:
-    """Register while `lose` makes the database's answer to the commit get lost: the client is
-    told UNAVAILABLE, and the entry, which every other replica serves, is served by this one too
-    (from memory) rather than after its next reload."""
+    """Register while `lose` makes the database's answer to the commit get lost, once: the
+    directory reads back what the write did, and the client is answered OK with the entry that
+    was committed, the only one, served by this replica from memory as every other replica
+    serves it (rather than after its next reload); its secret deregisters it."""
     with pytest.MonkeyPatch.context() as patch:
-        lose(patch)
-        with pytest.raises(grpc.aio.AioRpcError) as lost:
-            await register(directory, registration)
-    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        lost = lose(patch)
+        (reply,) = await register(directory, registration)
+    assert lost, "no answer was lost"
+    assert reply.status == OK, reply.error_msg
     properties = dict(registration.details.properties)
-
-    async def served() -> bool:
-        return len(await visible_ids(directory, properties=properties)) == 1
-
-    await eventually(served, "the entry to be served by the replica that wrote it", PROPAGATION_LIMIT_S, 0.01)
+    assert await visible_ids(directory, properties=properties) == [reply.service_id]
     assert directory.service.index.current  # answered from memory, not from the database
+    assert await directory.service.store.count() == 1
+    (removed,) = await deregister(directory, (reply.service_id, reply.secret))
+    assert removed.status == OK
 
 
 async def test_a_registration_committed_before_its_answer_was_lost_is_served_here_too(
@@ -231,18 +230,22 @@ async def test_a_registration_committed_before_its_answer_was_lost_is_served_her
     async with make_directory_factory(postgres_url)() as directory:
         database = directory.service.database
         written = database.dialect.statement
+        lost: list[object] = []
 
         async def lost_after_commit(
             sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
         ) -> list[tuple[Any, ...]]:
-            await written(sql, parameters, keys)
+            rows = await written(sql, parameters, keys)
+            if lost:
+                return rows
+            lost.append(rows)
             raise psycopg.OperationalError("server closed the connection unexpectedly")
 
-        await served_here_after_its_lost_answer(
-            directory,
-            request(properties={"answer": "lost"}),
-            lambda patch: patch.setattr(database.dialect, "statement", lost_after_commit),
-        )
+        def lose(patch: pytest.MonkeyPatch) -> list[object]:
+            patch.setattr(database.dialect, "statement", lost_after_commit)
+            return lost
+
+        await served_here_after_its_lost_answer(directory, request(properties={"answer": "lost"}), lose)
 
 
 async def test_a_permanent_registration_whose_commit_answer_was_lost_is_served_here_too(
@@ -253,13 +256,18 @@ async def test_a_permanent_registration_whose_commit_answer_was_lost_is_served_h
     async with make_directory_factory(postgres_url)() as directory:
         dialect = directory.service.database.engine.sync_engine.dialect
         commit = dialect.do_commit
+        lost: list[object] = []
 
         def lost_after_commit(dbapi_connection: Any) -> None:
             commit(dbapi_connection)
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
+            if not lost:
+                lost.append(dbapi_connection)
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+        def lose(patch: pytest.MonkeyPatch) -> list[object]:
+            patch.setattr(dialect, "do_commit", lost_after_commit)
+            return lost
 
         await served_here_after_its_lost_answer(
-            directory,
-            request(properties={"answer": "lost"}, permanent=True),
-            lambda patch: patch.setattr(dialect, "do_commit", lost_after_commit),
+            directory, request(properties={"answer": "lost"}, permanent=True), lose
         )

@@ -5,19 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
+import types
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
+from sqlalchemy import select
 
 import services.model_registry.core as registry_core
 from services.model_registry.blobstore import BlobNotFound
+from services.model_registry.model import VersionInfo
 from services.model_registry.servicer import data_chunk_frame
 from shared.api import model_registry_pb2 as mr
+from shared.schema import registry_blob_garbage
 from tests.helpers.digest import sha256_b64
 from tests.helpers.eventually import eventually
+from tests.helpers.exposed_metrics import delta, exposed
+from tests.helpers.lost_answers import lose_an_answer
 from tests.helpers.registry import CHUNK, as_stream, chunks, create_model, create_version, version_data
 from tests.helpers.running import RegistryFactory, RunningRegistry
+
+METRICS = "cogment_model_registry_"
 
 
 @pytest.fixture
@@ -107,6 +116,37 @@ async def test_rejected_uploads_leave_no_version(registry: RunningRegistry) -> N
         await expect_error(code, registry.stub.CreateVersion(as_stream(messages)))  # type: ignore[arg-type]
     assert await infos(registry, "m") == ([], "0")
     assert (await create_version(registry, "m", data)).version_number == 1  # no gap
+
+
+async def test_an_upload_whose_commit_answer_was_lost_makes_one_version(
+    registry: RunningRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database committed the version and its answer was lost with the connection: the
+    registry commits again once the database answers, finds the version it made, and the client
+    is told of it, the only one; its blob is the version's, never collected as garbage."""
+    await create_model(registry, "m")
+    data = secrets.token_bytes(CHUNK + 17)
+    before = exposed(METRICS)
+    with monkeypatch.context() as patch:
+        lost = lose_an_answer(
+            patch, registry.service.database, of=lambda result: isinstance(result, VersionInfo)
+        )
+        info = await create_version(registry, "m", data, hash_=sha256_b64(data))
+    assert [version.version_number for version in lost] == [1]  # the answer was lost, after the commit
+    assert (info.version_number, info.data_hash, info.data_size) == (1, sha256_b64(data), len(data))
+    assert await infos(registry, "m") == ([1], "2")
+    assert delta(before, exposed(METRICS), METRICS + "versions_created_total", archived="true") == 1
+
+    # Not garbage: the collector leaves it, even once an abandoned upload's blob would go.
+    database = registry.service.database
+    assert await database.fetch(select(registry_blob_garbage.c.blob_key)) == []
+    later = types.SimpleNamespace(
+        time_ns=lambda: time.time_ns() + int(2 * registry_core.STALE_UPLOAD_S * 1e9)
+    )
+    monkeypatch.setattr(registry_core, "time", later)
+    assert await registry.service.registry.collect_garbage() == 0
+    record = await registry.service.registry.resolve("m", 1)
+    assert b"".join([chunk async for chunk in registry.service.blobs.read(record.blob_key, CHUNK)]) == data
 
 
 async def test_an_early_rejection_reaches_a_client_that_is_still_writing(registry: RunningRegistry) -> None:

@@ -192,6 +192,23 @@ async def test_commit_and_get_versions(db: Database, store: RegistryStore) -> No
     assert await _last_used(db, "foo", 2) == 1
 
 
+async def test_a_commit_made_again_returns_the_version_it_made(db: Database, store: RegistryStore) -> None:
+    """A commit whose answer was lost is made again with the same blob: it finds the version the
+    first one made, and changes nothing (no second version, no number taken)."""
+    await store.upsert_model("foo", {}, 1)
+    await store.record_upload("blob-1", 500)
+    first = await _commit(store, "foo", "blob-1", archived=True, user_data={"k": "v"})
+    assert first is not None and first.version_number == 1
+    again = await _commit(store, "foo", "blob-1", archived=False, now_ns=2, user_data={"other": "data"})
+    assert again == first
+    assert await store.list_versions("foo", 1, None) == [first]
+    assert await _last_used(db, "foo", 1) == 1
+    assert await _garbage(db) == {}
+    # The next upload takes the next number: none was taken by the commit made again.
+    second = await _commit(store, "foo", "blob-2")
+    assert second is not None and second.version_number == 2
+
+
 async def test_list_versions(store: RegistryStore) -> None:
     assert await store.list_versions("foo", 1, None) == []
     await store.upsert_model("foo", {}, 1)
