@@ -1,7 +1,7 @@
 """Model Registry: versions found by their blob key, so that a commit made again creates nothing twice.
 
-Revision ID: 0005_version_blob_key
-Revises: 0004_trial_leases
+Revision ID: 0006_version_blob_key
+Revises: 0005_ingestion_streams
 Create Date: 2026-11-28
 """
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 from alembic import op
 
-revision: str = "0005_version_blob_key"
-down_revision: str | None = "0004_trial_leases"
+revision: str = "0006_version_blob_key"
+down_revision: str | None = "0005_ingestion_streams"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
