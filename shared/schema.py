@@ -188,6 +188,10 @@ datastore_trials = Table(
     # While an ingestion stream is open, its process renews this lease (ns); a trial whose lease
     # expired lost its stream with its process, and any replica closes it. 0: no open stream.
     Column("lease_until", BigInteger, nullable=False, default=0, server_default=text("0")),
+    # The process that took or last renewed the lease (a random token of its own): where the
+    # database has one host, a holder whose process is gone is known at once, before the lease
+    # runs out (see services/datastore/lease_holders.py).
+    Column("lease_holder", String(32), nullable=False, default="", server_default=text("''")),
     Index(None, "lease_until"),
     sqlite_autoincrement=True,
 )

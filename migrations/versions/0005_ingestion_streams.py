@@ -1,4 +1,5 @@
-"""Trial Datastore: each ingestion stream's stored samples, so that a retried append stores nothing twice.
+"""Trial Datastore: each ingestion stream's stored samples, so that a retried append stores nothing
+twice; each lease's holder, so that a holder known to be gone does not keep its trials open.
 
 Revision ID: 0005_ingestion_streams
 Revises: 0004_trial_leases
@@ -20,6 +21,10 @@ TRIAL_SEQ = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("datastore_trials") as batch:
+        batch.add_column(
+            sa.Column("lease_holder", sa.String(length=32), server_default=sa.text("''"), nullable=False)
+        )
     op.create_table(
         "datastore_ingestion_streams",
         sa.Column("trial_seq", TRIAL_SEQ, nullable=False),
@@ -37,3 +42,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("datastore_ingestion_streams")
+    with op.batch_alter_table("datastore_trials") as batch:
+        batch.drop_column("lease_holder")

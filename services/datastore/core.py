@@ -86,6 +86,7 @@ class TrialDatastore:
             time.time_ns(),
             reopen=reopen,
             lease_until=self.leases.until,
+            lease_holder=self.leases.holder,
         )
         # A datalog stream is opened by a trial that is starting: it waits for the database.
         seq = await (self.ride_out(upsert) if reopen else upsert())

@@ -17,6 +17,7 @@ from services.datastore.batcher import (
     SampleBatcher,
 )
 from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
+from services.datastore.lease_holders import HolderLocks
 from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases, check_outage_bound
 from services.datastore.servicer import add_servicers
 from services.datastore.store import DatastoreStore
@@ -97,7 +98,9 @@ class DatastoreService(Service[DatastoreSettings]):
             max_in_flight_bytes=settings.ingestion_bytes,
             interval_s=settings.batch_interval,
         )
-        self.leases = IngestionLeases(self.store, settings.ingestion_lease, self.dependencies)
+        self.leases = IngestionLeases(
+            self.store, settings.ingestion_lease, self.dependencies, self._holder_locks()
+        )
         self.datastore = TrialDatastore(
             self.store,
             self.feed,
@@ -115,6 +118,13 @@ class DatastoreService(Service[DatastoreSettings]):
         self.registration = self.directory_registration(
             [directory_pb2.DATASTORE_SERVICE, directory_pb2.DATALOG_SERVICE]
         )
+
+    def _holder_locks(self) -> HolderLocks | None:
+        """Lock files tell which lease holders are gone where the database has one host and is a file."""
+        file = self.database.url.database or ""
+        if self.database.shared_between_hosts or file in ("", ":memory:") or file.startswith("file:"):
+            return None
+        return HolderLocks.beside(file)
 
     async def start(self, runtime: ServiceRuntime) -> None:
         log.info("opening storage", database=self.database.display_url)

@@ -99,6 +99,13 @@ _CLOSE_EXPIRED = (
     .values(closed=True, lease_until=0)
     .returning(trials.c.trial_seq)
 )
+_LEASE_HOLDERS = select(trials.c.lease_holder).where(trials.c.lease_until > 0).distinct()
+_CLOSE_HELD_BY = (
+    update(trials)
+    .where(trials.c.lease_until > 0, trials.c.lease_holder.in_(bindparam("holders", expanding=True)))
+    .values(closed=True, lease_until=0)
+    .returning(trials.c.trial_seq)
+)
 _DELETE_PROPERTIES = delete(properties).where(properties.c.trial_seq == bindparam("seq"))
 _INSERT_PROPERTIES = insert(properties)
 
@@ -120,6 +127,10 @@ class DatastoreStore:
                     (bindparam("reopen", type_=Boolean), upsert.excluded.lease_until),
                     else_=trials.c.lease_until,
                 ),
+                "lease_holder": case(
+                    (bindparam("reopen", type_=Boolean), upsert.excluded.lease_holder),
+                    else_=trials.c.lease_holder,
+                ),
             },
         ).returning(trials.c.trial_seq)
 
@@ -135,10 +146,11 @@ class DatastoreStore:
         *,
         reopen: bool = False,
         lease_until: Callable[[], int] = lambda: 0,
+        lease_holder: str = "",
     ) -> int:
         """Create the trial, or replace its user id and parameters (keeping its samples).
-        Returns its `trial_seq`. `reopen`: an ingestion stream starts, holding the trial's lease
-        until `lease_until()` (ns, taken when the write is made)."""
+        Returns its `trial_seq`. `reopen`: an ingestion stream starts, and `lease_holder` holds
+        the trial's lease until `lease_until()` (ns, taken when the write is made)."""
         row = {
             "trial_key": trial_key(trial_id),
             "trial_id": trial_id,
@@ -150,6 +162,7 @@ class DatastoreStore:
             "ended": False,
             "closed": False,
             "lease_until": 0,
+            "lease_holder": lease_holder if reopen else "",
             "reopen": reopen,
         }
         digests = sorted({pair_digest(name, value) for name, value in trial_properties.items()})
@@ -281,9 +294,10 @@ class DatastoreStore:
         firsts = {int(seq): int(first) for seq, first in rows}
         return [firsts.get(seq) for seq in seqs]
 
-    async def renew_leases(self, trial_seqs: Sequence[int], until_ns: int) -> None:
-        """The ingestion streams of these trials are still open here: hold their leases."""
-        statement = _RENEW_LEASES.values(lease_until=until_ns)
+    async def renew_leases(self, trial_seqs: Sequence[int], until_ns: int, holder: str) -> None:
+        """The ingestion streams of these trials are still open in the process `holder`: hold
+        their leases."""
+        statement = _RENEW_LEASES.values(lease_until=until_ns, lease_holder=holder)
         seqs = list(trial_seqs)
 
         def write(transaction: Transaction) -> None:
@@ -297,6 +311,25 @@ class DatastoreStore:
 
         def write(transaction: Transaction) -> list[int]:
             closed = [int(seq) for seq in transaction.execute(_CLOSE_EXPIRED, {"now": now_ns}).scalars()]
+            transaction.changed(samples_key(seq) for seq in closed)
+            return closed
+
+        return await self.db.write(write)
+
+    async def lease_holders(self) -> list[str]:
+        """The holders of leases in force (or run out, not yet closed)."""
+        return [str(holder) for (holder,) in await self.db.fetch(_LEASE_HOLDERS)]
+
+    async def close_held_by(self, holders: Sequence[str]) -> list[int]:
+        """Close the leased trials of these holders (their processes are gone): returns their seqs."""
+        holders = list(holders)
+
+        def write(transaction: Transaction) -> list[int]:
+            closed: list[int] = []
+            for batch in in_batches(holders):
+                closed += [
+                    int(seq) for seq in transaction.execute(_CLOSE_HELD_BY, {"holders": batch}).scalars()
+                ]
             transaction.changed(samples_key(seq) for seq in closed)
             return closed
 

@@ -12,9 +12,12 @@ server gets SIGKILL, with samples in flight. Restarted on the same database:
   retrying would): a reader started before it gets the old samples then the new ones, and ends
   when that stream ends, whether with an ENDED sample or by closing without one.
 
-RetrieveSamples of an interrupted trial ends only once its ingestion lease expires (30 s: see
-test_outages.py), so stored samples are read up to the trial's `samples_count`, then the read is
-cancelled, after checking that nothing follows.
+On SQLite, the restarted process knows at once that the killed one is gone (its lock file is free:
+services/datastore/lease_holders.py) and closes the trials it was ingesting: their readers end with
+the stored samples, and a new stream reopens them. On PostgreSQL, RetrieveSamples of an interrupted
+trial ends only once its ingestion lease expires (45 s: see test_outages.py), so stored samples are
+read up to the trial's `samples_count`, then the read is cancelled, after checking that nothing
+follows; a reader started before a new stream gets the old samples then the new ones.
 """
 
 from __future__ import annotations
@@ -136,9 +139,11 @@ async def trial_info(clients: Clients, trial_id: str) -> ds.StoredTrialInfo:
     return info
 
 
-async def stored_samples(clients: Clients, trial_id: str, count: int) -> list[ds.StoredTrialSample]:
-    """The trial's first `count` samples; and then nothing more comes (its stream never ended:
-    the read does not end, and is cancelled)."""
+async def stored_samples(
+    clients: Clients, trial_id: str, count: int, closed: bool
+) -> list[ds.StoredTrialSample]:
+    """The trial's first `count` samples; and then nothing more comes: the read ends if the trial
+    was `closed`, else it does not end (its stream never did), and is cancelled."""
     call = clients.datastore.RetrieveSamples(ds.RetrieveSamplesRequest(trial_ids=[trial_id]))
     samples: list[ds.StoredTrialSample] = []
     try:
@@ -146,6 +151,9 @@ async def stored_samples(clients: Clients, trial_id: str, count: int) -> list[ds
             reply = await asyncio.wait_for(call.read(), WAIT_S)
             assert reply is not grpc.aio.EOF, f"{trial_id}: the read ended after {len(samples)} of {count}"
             samples.append(reply.trial_sample)
+        if closed:
+            assert await asyncio.wait_for(call.read(), WAIT_S) is grpc.aio.EOF, f"{trial_id}: more samples"
+            return samples
         with pytest.raises(asyncio.TimeoutError):
             extra = await asyncio.wait_for(call.read(), NOTHING_MORE_S)
             pytest.fail(f"{trial_id}: a sample beyond samples_count {count}: {extra}")
@@ -221,21 +229,30 @@ async def test_kill_9_during_ingestion_loses_no_acknowledged_sample(
     in_flight = sum(stream.written - stream.acked for stream in streams)
     assert in_flight > 0, "nothing was in flight at the kill: the test did not test it"
 
+    # One process owns an SQLite file's trials: the restarted one closes the killed one's at once.
+    closed_at_restart = database_url.startswith("sqlite")
     with await start_datastore(database_url, tmp_path) as datastore:
         async with connect(datastore) as clients:
             infos = [await trial_info(clients, stream.trial_id) for stream in streams]
             for stream, info in zip(streams, infos, strict=True):
-                check_stored(stream, info, await stored_samples(clients, stream.trial_id, info.samples_count))
+                stored = await stored_samples(clients, stream.trial_id, info.samples_count, closed_at_restart)
+                check_stored(stream, info, stored)
 
-            # Interrupted trials take a new stream; their readers, started before it, end with it:
-            # on the ENDED sample for one trial, at the close of a stream without one for another.
+            # Interrupted trials take a new stream; their readers, started before it, end with it
+            # (or, closed, at once): on the ENDED sample for one trial, at the close of a stream
+            # without one for another.
             for stream, info, end in [(streams[0], infos[0], True), (streams[1], infos[1], False)]:
                 reader = asyncio.create_task(read_all(clients, stream.trial_id))
                 try:
-                    await asyncio.sleep(0.2)
-                    assert not reader.done(), f"{stream.trial_id}: a reader of an interrupted trial ended"
+                    if closed_at_restart:  # its reader ends at once, and a new stream reopens it
+                        assert await asyncio.wait_for(reader, WAIT_S) == list(range(info.samples_count))
+                    else:
+                        await asyncio.sleep(0.2)
+                        assert not reader.done(), f"{stream.trial_id}: a reader of an interrupted trial ended"
                     acks = await resume(clients, stream.trial_id, info.samples_count, end)
                     assert acks == 1 + RESUMED, f"{stream.trial_id}: {acks} acks for {1 + RESUMED} messages"
+                    if closed_at_restart:
+                        reader = asyncio.create_task(read_all(clients, stream.trial_id))
                     ticks = await asyncio.wait_for(reader, WAIT_S)
                 finally:
                     reader.cancel()
