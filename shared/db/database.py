@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Index, Table, text
+from sqlalchemy import Index, Table
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, InvalidRequestError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -28,8 +28,6 @@ from shared.db.postgresql import PostgresqlDialect
 from shared.db.sqlite import SqliteDialect
 from shared.dependencies import Dependency
 from shared.errors import StartupError
-
-_PROBE = text("SELECT 1")
 
 # What a database URL may be, as start-up errors say it.
 URL_FORMS = "sqlite+aiosqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
@@ -228,7 +226,7 @@ class Database:
 
     async def probe(self) -> None:
         """Raises if the database cannot be reached (see shared.dependencies)."""
-        await self.fetch(_PROBE)
+        await self.dialect.probe()
 
     async def reset_connections(self) -> None:
         """Drop pooled connections (after an outage they are dead: each would fail one call)."""

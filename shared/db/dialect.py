@@ -94,6 +94,12 @@ class Dialect(ABC):
         """Run `upgrade`, safely with several replicas starting at once."""
 
     @abstractmethod
+    def probe(self) -> Awaitable[object]:
+        """Fails if the database cannot be reached. On a connection of its own: a probe queued
+        behind the calls (a busy pool, the reader thread) would time out under load, and
+        readiness would flap while the database is fine."""
+
+    @abstractmethod
     def reset(self) -> None:
         """After an outage: connect again before the next work."""
 

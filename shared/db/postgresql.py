@@ -53,7 +53,7 @@ _LOCK = text("SELECT pg_advisory_xact_lock(:id)")
 T = TypeVar("T")
 
 
-def _direct_thread(conninfo: str) -> ConnectionThread[psycopg.Connection[Any]]:
+def _direct_thread(conninfo: str, name: str) -> ConnectionThread[psycopg.Connection[Any]]:
     """A thread with its own PostgreSQL connection, each statement its own transaction."""
 
     def connect() -> psycopg.Connection[Any]:
@@ -75,7 +75,7 @@ def _direct_thread(conninfo: str) -> ConnectionThread[psycopg.Connection[Any]]:
         connection.close()  # a failure may have left it anywhere: connect again
         return None
 
-    return ConnectionThread("postgresql-direct", connect, dropped, lambda connection: connection.close())
+    return ConnectionThread(name, connect, dropped, lambda connection: connection.close())
 
 
 @functools.cache
@@ -113,7 +113,8 @@ class PostgresqlDialect(Dialect):
         self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
         # The hot paths: at a small batch per statement, SQLAlchemy's execution and the async
         # driver's waits through the event loop cost more than the statement's round trip.
-        self._direct = _direct_thread(self.conninfo)
+        self._direct = _direct_thread(self.conninfo, "postgresql-direct")
+        self._prober = _direct_thread(self.conninfo, "postgresql-probe")
 
     async def fetch(
         self, statement: Executable, parameters: Mapping[str, Any] | None
@@ -186,11 +187,16 @@ class PostgresqlDialect(Dialect):
                 await connection.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": MIGRATION_LOCK_ID})
                 await connection.commit()
 
+    def probe(self) -> asyncio.Future[object]:
+        return self._prober.submit(lambda connection: connection.execute("SELECT 1").fetchall())
+
     def reset(self) -> None:
         self._direct.reset()
+        self._prober.reset()
 
     def close(self, timeout_s: float) -> None:
         self._direct.close(timeout_s)
+        self._prober.close(timeout_s)
 
 
 class _Listener(Hearing):

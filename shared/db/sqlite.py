@@ -87,6 +87,9 @@ def _reset_after_failure(connection: Connection) -> Connection | None:
         return None
 
 
+_PROBE = "SELECT count(*) FROM sqlite_master"
+
+
 class SqliteDialect(Dialect):
     name = "sqlite"
     sql = sqlalchemy_sqlite
@@ -109,6 +112,7 @@ class SqliteDialect(Dialect):
         _listened(self.engine.sync_engine)
         self._reader = _thread(url, "sqlite-reader", sqlite_autocommit=True)
         self._writer = _thread(url, "sqlite-writer", sqlite_immediate=True)
+        self._prober = _thread(url, "sqlite-probe", sqlite_autocommit=True)
 
     async def fetch(
         self, statement: Executable, parameters: Mapping[str, Any] | None
@@ -171,12 +175,17 @@ class SqliteDialect(Dialect):
             await connection.run_sync(upgrade)
             await connection.commit()
 
+    def probe(self) -> asyncio.Future[object]:
+        # Reads the file's first page (the schema), as every statement does.
+        return self._prober.submit(lambda connection: connection.exec_driver_sql(_PROBE).all())
+
     def reset(self) -> None:
         """Nothing pooled: the threads' connections recover from their failures themselves."""
 
     def close(self, timeout_s: float) -> None:
         self._reader.close(timeout_s)
         self._writer.close(timeout_s)
+        self._prober.close(timeout_s)
 
 
 class _ForeignCommits(Hearing):
