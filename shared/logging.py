@@ -90,6 +90,11 @@ def configure_logging(
         )
     )
     logging.basicConfig(level=max(LEVELS[level], logging.WARNING), handlers=[handler], force=True)
+    # The S3 client (urllib3) logs a warning per retried attempt: during an outage, a few lines a
+    # second. The dependency watcher already says once that the blob store is away, and once that
+    # it is back (shared.dependencies); the attempts are for debugging.
+    debugging = LEVELS[level] <= logging.DEBUG
+    logging.getLogger("urllib3").setLevel(logging.WARNING if debugging else logging.ERROR)
 
 
 def _service_adder(service: str) -> Any:
