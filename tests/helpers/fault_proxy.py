@@ -137,8 +137,9 @@ class FaultProxy:
         server gets it, but from then on the client hears nothing, and the connection is closed (both
         sides) once the server reports it idle (ReadyForQuery 'I': committed or rolled back).
 
-        Encrypted connections are not seen into. Inside a transaction block, the cut waits for the
-        block's end, which a client without an answer never sends: arm on its COMMIT instead."""
+        Executed inside a transaction block, the statement is answered, and the answer lost is its
+        block's COMMIT's (the block rolled back instead: `wait()` says False, nothing cut). Encrypted
+        connections are not seen into."""
         lost = LostAnswer(self, match)
         self._armed.append(lost)
         self._lost.append(lost)
@@ -332,6 +333,10 @@ class _PgWatch:
         self._server = _Framer(b"Z")
         self.lost: LostAnswer | None = None
         self.lost_error = False  # the server answered with an ErrorResponse: it rolled back
+        # Matched inside a transaction block: its COMMIT's answer is the one lost.
+        self._pending: LostAnswer | None = None
+        self._pending_error = False
+        self._status = b"I"  # of the last ReadyForQuery: "T" inside a transaction block
         self._ready_before_lost = 0  # owed for what the client sent before the lost execution
 
     def from_client(self, chunk: bytes) -> None:
@@ -382,9 +387,25 @@ class _PgWatch:
             self._statements.pop(body[1:].partition(b"\0")[0], None)
 
     def _executes(self, sql: bytes) -> None:
-        if self.lost is None and (lost := self._claim(sql)) is not None:
-            self.lost = lost
-            self._ready_before_lost = self._ready_owed
+        start = sql.lstrip()[:8].upper()
+        commits = start.startswith((b"COMMIT", b"END"))
+        if self._pending is not None:
+            if commits:
+                self._lose(self._pending)
+                self.lost_error, self._pending = self._pending_error, None
+            elif start.startswith(b"ROLLBACK"):
+                if not self._pending.cut.done():
+                    self._pending.cut.set_result(False)
+                self._pending = None
+        elif self.lost is None and (lost := self._claim(sql)) is not None:
+            if self._status == b"T" and not commits:
+                self._pending = lost
+            else:
+                self._lose(lost)
+
+    def _lose(self, lost: LostAnswer) -> None:
+        self.lost = lost
+        self._ready_before_lost = self._ready_owed
 
     def from_server(self, chunk: bytes) -> bool:
         """True when the lost answer's transaction is over: the connection is to be cut now."""
@@ -413,6 +434,7 @@ class _PgWatch:
             kind, body = message
             if kind == ord("Z"):
                 self._ready_owed -= 1
+                self._status = body or b"I"
                 if self.lost is not None:
                     if self._ready_before_lost:
                         self._ready_before_lost -= 1
@@ -420,4 +442,6 @@ class _PgWatch:
                         return True
             elif kind == ord("E") and self.lost is not None and not self._ready_before_lost:
                 self.lost_error = True
+            elif kind == ord("E") and self._pending is not None:
+                self._pending_error = True
         return False

@@ -162,6 +162,34 @@ async def test_lost_commit_answer_after_an_explicit_transaction(proxy: FaultProx
     assert await ids(target) == [1, 2]
 
 
+async def test_a_statement_matched_inside_a_transaction_loses_its_commits_answer(
+    proxy: FaultProxy, target: Target
+) -> None:
+    async with await connect(proxy, target) as conn:
+        armed = proxy.arm_lost_commit(b"VALUES (2)")
+        with pytest.raises(psycopg.OperationalError):
+            async with conn.transaction():
+                await conn.execute("INSERT INTO t VALUES (1)")
+                await conn.execute("INSERT INTO t VALUES (2)")  # answered
+                await conn.execute("INSERT INTO t VALUES (3)")
+        assert await armed.wait(5) is True
+    assert await ids(target) == [1, 2, 3]
+
+
+async def test_a_transaction_matched_then_rolled_back_loses_nothing(
+    proxy: FaultProxy, target: Target
+) -> None:
+    async with await connect(proxy, target) as conn:
+        armed = proxy.arm_lost_commit(b"VALUES (1)")
+        with pytest.raises(ZeroDivisionError):
+            async with conn.transaction():
+                await conn.execute("INSERT INTO t VALUES (1)")
+                raise ZeroDivisionError
+        assert await armed.wait(5) is False
+        await conn.execute("INSERT INTO t VALUES (4)")  # the connection was not cut
+    assert await ids(target) == [4]
+
+
 async def test_lost_answer_to_a_prepared_statement(proxy: FaultProxy, target: Target) -> None:
     async with await connect(proxy, target) as conn:
         for row in range(7):
