@@ -11,15 +11,18 @@ from typing import Any
 
 import grpc
 import pytest
+from sqlalchemy import make_url
 
 from services.directory import entry_writes
 from services.directory.model import Endpoint, Registration
 from services.directory.store import DirectoryStore
 from shared.api import directory_pb2
 from shared.db import Database
+from tests.fixtures.postgres import PostgresCluster, new_database_name
 from tests.helpers.directory import ACTOR, COGMENT, OK, deregister, register, request, visible_ids
+from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.lost_answers import break_before_commit, commit_late, lose_an_answer
-from tests.helpers.running import DirectoryFactory, RunningDirectory
+from tests.helpers.running import DirectoryFactory, RunningDirectory, make_directory_factory
 
 Inject = Callable[[pytest.MonkeyPatch, Any], list[Any]]
 INJECTIONS: dict[str, Inject] = {
@@ -138,3 +141,24 @@ async def test_a_batch_of_new_and_permanent_entries(store: DirectoryStore, outco
     assert await store.count() == len(registrations)
     for service_id, nonce, _ in written:
         assert await store.credentials(service_id) == ("token", nonce)
+
+
+@pytest.mark.parametrize("permanent", [False, True], ids=["new", "permanent"])
+async def test_a_registration_whose_commit_answer_was_lost_on_the_wire_is_made_once(
+    postgres_cluster: PostgresCluster, permanent: bool
+) -> None:
+    """PostgreSQL committed the entry, the connection broke before its answer came back (the fault
+    proxy): new entries' one statement, or the transaction of a permanent one. The directory reads
+    the entry back and answers OK once, with the one entry made."""
+    url = postgres_cluster.create_database(new_database_name())
+    port = make_url(url).port
+    assert port is not None
+    async with FaultProxy(port) as proxy, make_directory_factory(proxy.url_for(url))() as directory:
+        lost = proxy.arm_lost_commit(b"INSERT INTO directory_services")
+        registration = request(properties={"answer": "lost"}, permanent=permanent)
+        [reply] = await register(directory, registration)
+        assert reply.status == OK, reply
+        assert await lost.wait(10), "the entry was rolled back, not committed"
+        assert await visible_ids(directory, properties={"answer": "lost"}) == [reply.service_id]
+        assert await directory.service.store.count() == 1
+        await deregistered(directory, [reply])
