@@ -44,6 +44,10 @@ def _on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
+    # Some builds (Debian's) overwrite every freed page: deleting a trial then wrote all its
+    # samples' bytes again, into the WAL, and on a full disk no deletion could free space. FAST
+    # clears deleted content only in pages written anyway.
+    cursor.execute("PRAGMA secure_delete=FAST")
     cursor.close()
 
 
