@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -32,6 +34,11 @@ from shared.db.threads import ConnectionThread
 from shared.supervision import FailureStreak, cancel_and_wait
 
 CONNECT_TIMEOUT_S = 5
+# Work on a connection of the dialect's own threads that runs longer is interrupted (its connection
+# broken: the work fails, and is retried as after an outage). Keepalives and the TCP user timeout
+# cannot tell a peer that went silent behind something that still acknowledges what is sent (a
+# stuck proxy or pooler); a batch of samples or of registrations takes milliseconds.
+STATEMENT_DEADLINE_S = 10.0
 # Any constant works: it only has to be the same for every replica running migrations.
 MIGRATION_LOCK_ID = 0x636F676D656E74
 MAX_RECONNECT_DELAY_S = 0.5
@@ -75,7 +82,13 @@ def _direct_thread(conninfo: str, name: str) -> ConnectionThread[psycopg.Connect
         connection.close()  # a failure may have left it anywhere: connect again
         return None
 
-    return ConnectionThread(name, connect, dropped, lambda connection: connection.close())
+    return ConnectionThread(name, connect, dropped, lambda connection: connection.close(), interrupt=_break)
+
+
+def _break(connection: psycopg.Connection[Any]) -> None:
+    """Shut the connection's socket down (from any thread): its wait for the server ends at once."""
+    with socket.socket(fileno=os.dup(connection.pgconn.socket)) as duplicate:
+        duplicate.shutdown(socket.SHUT_RDWR)
 
 
 @functools.cache
@@ -149,7 +162,7 @@ class PostgresqlDialect(Dialect):
                     cursor.execute(_NOTIFY_ALL, notices)
             return result
 
-        return self._direct.submit(run)
+        return self._direct.submit(run, STATEMENT_DEADLINE_S)
 
     def statement(
         self, sql: str, parameters: Mapping[str, Any], keys: Sequence[str]
@@ -162,7 +175,9 @@ class PostgresqlDialect(Dialect):
             parameters = {**parameters, **notices}
         else:
             statement = sql.replace(PUBLISHED, "")
-        return self._direct.submit(lambda connection: connection.execute(statement, parameters).fetchall())
+        return self._direct.submit(
+            lambda connection: connection.execute(statement, parameters).fetchall(), STATEMENT_DEADLINE_S
+        )
 
     def notify(self, connection: Connection, keys: Sequence[str]) -> None:
         notices = self._notices(keys)
@@ -187,10 +202,17 @@ class PostgresqlDialect(Dialect):
                 await connection.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": MIGRATION_LOCK_ID})
                 await connection.commit()
 
-    def probe(self) -> asyncio.Future[object]:
-        return self._prober.submit(lambda connection: connection.execute("SELECT 1").fetchall())
+    async def probe(self) -> object:
+        answer = self._prober.submit(lambda connection: connection.execute("SELECT 1").fetchall())
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:  # given up on (timed out): the next probe connects again
+            self._prober.interrupt(answer)
+            raise
 
     def reset(self) -> None:
+        # Work still under way began during the outage, on a connection that may never answer.
+        self._direct.interrupt()
         self._direct.reset()
         self._prober.reset()
 

@@ -28,6 +28,11 @@ class ConnectionThread(Generic[C]):
     at start-up, when a migration may hold the database); `recover` gives the connection to keep
     after failed work (None: connect again); `close` closes it; `finish` runs as the thread
     ends. The thread starts with the first work.
+
+    `interrupt` (from any thread) breaks the connection of the work under way, which then fails at
+    once: a connection whose peer went silent while the network still acknowledges what is sent
+    (a stuck proxy, a frozen host behind one) would otherwise hold the thread, and all the work
+    queued behind it, for ever. `submit(work, deadline_s)` interrupts work that runs longer.
     """
 
     def __init__(
@@ -37,8 +42,13 @@ class ConnectionThread(Generic[C]):
         recover: Callable[[C], C | None],
         close: Callable[[C], None],
         finish: Callable[[], None] | None = None,
+        interrupt: Callable[[C], None] | None = None,
     ) -> None:
         self._name = name
+        self._interrupt = interrupt
+        # The work under way and its connection (guarded by _lock): what `interrupt` breaks.
+        self._running: asyncio.Future[Any] | None = None
+        self._connection: C | None = None
         self._connect = connect
         self._recover = recover
         self._close_connection = close
@@ -50,9 +60,13 @@ class ConnectionThread(Generic[C]):
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def submit(self, work: Callable[[C], T]) -> asyncio.Future[T]:
+    def submit(self, work: Callable[[C], T], deadline_s: float | None = None) -> asyncio.Future[T]:
+        """`work(connection)` on the thread; interrupted if it runs past `deadline_s` from now."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        if deadline_s is not None and self._interrupt is not None:
+            timer = loop.call_later(deadline_s, self.interrupt, future)
+            future.add_done_callback(lambda _: timer.cancel())
         with self._lock:
             if self._closed:
                 future.set_exception(ConnectionError("the database is closed"))
@@ -62,6 +76,14 @@ class ConnectionThread(Generic[C]):
                 self._thread.start()
             self._queue.put((loop, future, work))
         return future
+
+    def interrupt(self, work: asyncio.Future[Any] | None = None) -> None:
+        """Break the connection of the work under way (only if it is `work`, when given)."""
+        with self._lock:
+            connection = self._connection if work is None or self._running is work else None
+        if connection is not None and self._interrupt is not None:
+            with contextlib.suppress(Exception):
+                self._interrupt(connection)
 
     def reset(self) -> None:
         """Connect again before the next work: after an outage the connection is dead (work in
@@ -101,10 +123,16 @@ class ConnectionThread(Generic[C]):
                             self._drop(connection)
                             connection = None
                         connection = connection or self._connect()
+                        with self._lock:
+                            self._running, self._connection = future, connection
                         outcome = (future, work(connection), None)
                     except Exception as error:
+                        with self._lock:
+                            self._running = self._connection = None
                         connection = self._recovered(connection)
                         outcome = (future, None, error)
+                    with self._lock:
+                        self._running = self._connection = None
                     outcomes.setdefault(loop, []).append(outcome)
                 for loop, delivered in outcomes.items():
                     with contextlib.suppress(RuntimeError):  # its loop closed meanwhile

@@ -214,6 +214,30 @@ async def test_samples_whose_commit_answer_was_lost_on_the_wire_are_stored_once(
         assert info.samples_count == 31
 
 
+async def test_a_database_that_goes_silent_without_closing_anything_is_ridden_out(
+    postgres_cluster: PostgresCluster,
+) -> None:
+    """A black hole between the datastore and PostgreSQL (connections stay open and acknowledged,
+    nothing is answered), then the network heals: the statements and probes caught in it are
+    interrupted, not waited on for ever; every sample is stored once and health is SERVING again."""
+    url = postgres_cluster.create_database(new_database_name())
+    port = make_url(url).port
+    assert port is not None
+    async with FaultProxy(port) as proxy, make_datastore_factory(proxy.url_for(url))() as datastore:
+        stream = DatalogStream(datastore.datalog, "t-silent")
+        stream.send(*(datalog_sample(tick) for tick in range(5)), params=trial_params())
+        await stream.wait_acks(6)
+        proxy.blackhole()
+        stream.send(*(datalog_sample(tick) for tick in range(5, 10)))
+        await wait_for_health(datastore.channel, NOT_SERVING)  # its probe timed out
+        proxy.restore()
+        stream.send(*(datalog_sample(tick) for tick in range(10, 15)), datalog_sample(15, common_pb2.ENDED))
+        await stream.wait_acks(17)
+        await stream.close()
+        await wait_for_health(datastore.channel, SERVING)
+        assert [sample.tick_id for sample in await read_samples(datastore, ["t-silent"])] == list(range(16))
+
+
 def test_an_outage_bound_that_a_lease_would_not_outlive_is_refused_at_start(tmp_path: Path) -> None:
     """A replica could close a trial whose stream still rides an outage out: the datastore says so,
     naming both flags and what would do, and exits 1."""
