@@ -63,7 +63,6 @@ class PendingAdd:
         self.queued = False
         self.pending = 1
         self.pending_bytes = sum(len(name) + len(value) for name, value in registration.properties.items())
-        self.dropped = False
         # Its row. A new entry's service id and secret nonce are drawn once, before the first
         # write: a write whose outcome is unknown is read back by them, and made again with them.
         self.row = _service_row(registration, token_digest, now_ns)
@@ -75,6 +74,13 @@ class PendingAdd:
         # Whether a write of it failed with its outcome unknown: it may have committed, or still
         # commit (a transaction the server finishes after the connection broke).
         self.uncertain = False
+
+    @property
+    def dropped(self) -> bool:
+        """Its caller gave up (its client's deadline, a cancelled stream) before its batch took it:
+        it is not written. Written, it would be an entry whose client, told nothing, registers
+        again: two entries, and a secret nobody knows."""
+        return self.result.cancelled()
 
     @property
     def may_draw_again(self) -> bool:

@@ -162,3 +162,28 @@ async def test_a_registration_whose_commit_answer_was_lost_on_the_wire_is_made_o
         assert await visible_ids(directory, properties={"answer": "lost"}) == [reply.service_id]
         assert await directory.service.store.count() == 1
         await deregistered(directory, [reply])
+
+
+async def test_a_registration_given_up_on_before_its_write_is_not_written(
+    postgres_cluster: PostgresCluster,
+) -> None:
+    """Its client's deadline passes while another registration's write hangs (PostgreSQL silent
+    behind a black hole): not written once the database answers again, so that the client, told
+    DEADLINE_EXCEEDED, registering again, makes the only entry."""
+    url = postgres_cluster.create_database(new_database_name())
+    port = make_url(url).port
+    assert port is not None
+    async with FaultProxy(port) as proxy, make_directory_factory(proxy.url_for(url))() as directory:
+        proxy.blackhole()
+        first = asyncio.create_task(register(directory, request(properties={"order": "first"})))
+        await asyncio.sleep(0.5)  # its batch is being written
+        stream = directory.stub.Register(iter([request(properties={"order": "given-up"})]), timeout=1)
+        with pytest.raises(grpc.aio.AioRpcError) as given_up:
+            [reply async for reply in stream]
+        assert given_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        proxy.restore()
+        [reply] = await asyncio.wait_for(first, 30)
+        assert reply.status == OK
+        assert await visible_ids(directory, properties={"order": "first"}) == [reply.service_id]
+        assert await visible_ids(directory, properties={"order": "given-up"}) == []
+        assert await directory.service.store.count() == 1
