@@ -147,7 +147,7 @@ class DatalogWorkload:
                 acks += 1
                 if acks == 1:  # the trial is (re)opened: stored, readable
                     sender = asyncio.create_task(send())
-                    if trial.reader is None or trial.reader.done():
+                    if trial.reader is None:  # it follows the trial through every stream
                         trial.reader = asyncio.create_task(self._read_live(trial))
                     continue
                 if first + acks - 1 > sent:

@@ -32,10 +32,15 @@ T = TypeVar("T")
 RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # How long the follower may take to get the last version once the uploads stopped.
 FOLLOWER_CATCH_UP_S = 10.0
-# A unary call's deadline, and how long a client keeps retrying one before it gives up (a call
-# given up is not acknowledged: reported, never a finding by itself).
+# A read's deadline. A write's is longer than the services' --outage_bound (20 s): a service riding
+# an outage out answers it first (OK, or UNAVAILABLE past the bound), and a client's retry then never
+# races a first attempt still being written (which the protocol gives no way to tell apart), so that
+# a write made twice is the service's doing. A write still unanswered then hangs: a finding of its own.
 CALL_TIMEOUT_S = 10.0
-GIVE_UP_S = 30.0
+WRITE_TIMEOUT_S = 30.0
+# How long a client keeps retrying a call before it gives up (a call given up is not acknowledged:
+# reported, never a finding by itself).
+GIVE_UP_S = 40.0
 RETRY_PAUSE_S = 0.3
 
 
@@ -177,7 +182,7 @@ class RegistryWorkload:
                         yield message
 
                 reply: mr.CreateVersionReply = await self.registry.stub.CreateVersion(
-                    requests(), timeout=CALL_TIMEOUT_S
+                    requests(), timeout=WRITE_TIMEOUT_S
                 )
                 return reply
 
@@ -376,7 +381,7 @@ class DirectoryWorkload:
             ) -> list[directory_pb2.RegisterReply]:
                 return [
                     reply
-                    async for reply in self.directory.stub.Register(_one(request), timeout=CALL_TIMEOUT_S)
+                    async for reply in self.directory.stub.Register(_one(request), timeout=WRITE_TIMEOUT_S)
                 ]
 
             try:
@@ -436,7 +441,8 @@ class DirectoryWorkload:
 
         async def deregister() -> list[directory_pb2.DeregisterReply]:
             return [
-                reply async for reply in self.directory.stub.Deregister(_one(request), timeout=CALL_TIMEOUT_S)
+                reply
+                async for reply in self.directory.stub.Deregister(_one(request), timeout=WRITE_TIMEOUT_S)
             ]
 
         try:
