@@ -27,6 +27,21 @@ from tests.interop.sdk_env import SdkEnvError, ensure_sdk_python
 pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.seaweedfs"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # tests/shared/test_seeded_fault_schedule.py: its fixed seeds and short run by default; a seed
+    # it printed replays that run's faults, and a longer run soaks the services.
+    group = parser.getgroup("fault schedule", "the seeded fault-schedule test (issue 29)")
+    group.addoption(
+        "--fault-schedule-seed", type=int, default=None, help="run the fault schedule of this seed only"
+    )
+    group.addoption(
+        "--fault-schedule-seconds",
+        type=float,
+        default=None,
+        help="seconds of faults per seed (default: a short run that fits `make test`)",
+    )
+
+
 @pytest.fixture(scope="session")
 def sdk_python() -> Path:
     """Interpreter of the venv holding the official Cogment SDK 2.10.1 (built on first use)."""
