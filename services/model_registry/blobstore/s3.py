@@ -295,7 +295,10 @@ class S3BlobStore(BlobStore):
         cert_check: bool = True,
         ca_file: str | None = None,
         connect_timeout_s: float = 10.0,
-        read_timeout_s: float = 300.0,
+        # The longest silence between two reads of an answer: an S3 server that says nothing for
+        # this long is gone (a stuck proxy, a frozen host), and downloads sharing its load of a
+        # version (see hot_versions) wait that long before one tries again.
+        read_timeout_s: float = 20.0,
         max_threads: int = 32,
     ) -> None:
         # Imported here: only S3 deployments need minio.
