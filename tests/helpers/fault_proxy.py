@@ -139,7 +139,9 @@ class FaultProxy:
 
         Executed inside a transaction block, the statement is answered, and the answer lost is its
         block's COMMIT's (the block rolled back instead: `wait()` says False, nothing cut). Encrypted
-        connections are not seen into."""
+        connections are not seen into. `match` is a substring: b"COMMIT" also matches SQLAlchemy's
+        `BEGIN ISOLATION LEVEL READ COMMITTED`, whose answer is then lost; match a statement of
+        the transaction instead."""
         lost = LostAnswer(self, match)
         self._armed.append(lost)
         self._lost.append(lost)
