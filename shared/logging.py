@@ -90,6 +90,9 @@ def configure_logging(
         )
     )
     logging.basicConfig(level=max(LEVELS[level], logging.WARNING), handlers=[handler], force=True)
+    # Python's warnings (a library's SAWarning, a DeprecationWarning) are log lines too, rendered
+    # as the others: a plain line would break a JSON log, and its collector.
+    logging.captureWarnings(True)
     # The S3 client (urllib3) logs a warning per retried attempt: during an outage, a few lines a
     # second. The dependency watcher already says once that the blob store is away, and once that
     # it is back (shared.dependencies); the attempts are for debugging.

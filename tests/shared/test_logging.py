@@ -1,5 +1,6 @@
 """What libraries log through the standard library: the S3 client's per-attempt retry warnings
-are left to debugging (the dependency watcher says once that the blob store is away)."""
+are left to debugging (the dependency watcher says once that the blob store is away), and Python's
+warnings are log lines like the others (JSON stays JSON)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def test_the_s3_clients_retries_are_logged_only_at_debug(level: str, retries_log
     assert all(
         line["service"] == "model_registry" and line["logger"] == "urllib3.connectionpool" for line in retries
     )
+
+
+def test_python_warnings_are_log_lines_like_the_others() -> None:
+    script = (
+        "import warnings\n"
+        "from shared.logging import configure_logging\n"
+        "configure_logging('info', 'json', None, service='datastore')\n"
+        "warnings.warn('a connection was not checked in', RuntimeWarning)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=30
+    )
+    [line] = [json.loads(line) for line in result.stderr.splitlines()]
+    assert "RuntimeWarning: a connection was not checked in" in line["event"]
+    assert (line["level"], line["logger"], line["service"]) == ("warning", "py.warnings", "datastore")
