@@ -19,6 +19,8 @@ from shared.logging import get_logger
 
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
+# A periodic step under way gets this long to finish when its task stops.
+STEP_STOP_S = 2.0
 RECANCEL_PERIOD_S = 0.1
 
 log = get_logger("shared.supervision")
@@ -123,6 +125,16 @@ class Periodic(Supervised):
         self._step = step
         self.period_s = period_s
         self._woken = asyncio.Event()
+        # Clear while a step runs.
+        self._between_steps = asyncio.Event()
+        self._between_steps.set()
+
+    async def stop(self) -> None:
+        """After the step under way, if any, for STEP_STOP_S at most: cancelled in the middle of a
+        database call, a step leaves its pooled connection neither returned nor closed."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._between_steps.wait(), STEP_STOP_S)
+        await super().stop()
 
     def wake(self) -> None:
         self._woken.set()
@@ -130,6 +142,7 @@ class Periodic(Supervised):
     async def _loop(self) -> None:
         streak = FailureStreak(self.name)
         while True:
+            self._between_steps.clear()
             try:
                 while await self._step():
                     pass
@@ -138,6 +151,8 @@ class Periodic(Supervised):
             else:
                 streak.succeeded()
                 delay = self.period_s
+            finally:
+                self._between_steps.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._woken.wait(), delay)
             self._woken.clear()

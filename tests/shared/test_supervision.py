@@ -92,3 +92,20 @@ async def test_a_failing_step_is_retried_until_it_succeeds() -> None:
     await asyncio.wait_for(succeeded.wait(), STOP_LIMIT_S)
     await ends(periodic.stop())
     assert attempts == 3
+
+
+async def test_stopping_a_periodic_task_lets_the_step_under_way_finish() -> None:
+    """Cancelled in the middle of a database call, a step would leave its pooled connection
+    neither returned nor closed: stop() waits for it (a while at most), then cancels."""
+    started, finished = asyncio.Event(), asyncio.Event()
+
+    async def step() -> None:
+        started.set()
+        await asyncio.sleep(0.3)
+        finished.set()
+
+    periodic = Periodic("step", step, period_s=60)
+    periodic.start()
+    await asyncio.wait_for(started.wait(), 5)
+    await periodic.stop()
+    assert finished.is_set()
