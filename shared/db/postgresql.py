@@ -85,7 +85,7 @@ def _direct_thread(conninfo: str, name: str) -> ConnectionThread[psycopg.Connect
     return ConnectionThread(name, connect, dropped, lambda connection: connection.close(), interrupt=_break)
 
 
-def _break(connection: psycopg.Connection[Any]) -> None:
+def _break(connection: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
     """Shut the connection's socket down (from any thread): its wait for the server ends at once."""
     with socket.socket(fileno=os.dup(connection.pgconn.socket)) as duplicate:
         duplicate.shutdown(socket.SHUT_RDWR)
@@ -277,15 +277,15 @@ class _Listener(Hearing):
             self._wanted.clear()  # before looking: a watch that begins from now on sets it
             if not subscriber.hearing:
                 if listening:
-                    await connection.execute(f'UNLISTEN "{channel}"')
+                    await _answered(connection, f'UNLISTEN "{channel}"')
                     listening = False
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wanted.wait(), LISTEN_CHECK_PERIOD_S)
                 if not subscriber.hearing:
-                    await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
+                    await _answered(connection, "SELECT 1")
                     continue
             if not listening:
-                await connection.execute(f'LISTEN "{channel}"')
+                await _answered(connection, f'LISTEN "{channel}"')
                 listening = True
                 subscriber.changed(None)
             silent = True
@@ -300,4 +300,20 @@ class _Listener(Hearing):
                     if not subscriber.hearing:
                         break
             if silent:
-                await asyncio.wait_for(connection.execute("SELECT 1"), CONNECT_TIMEOUT_S)
+                await _answered(connection, "SELECT 1")
+
+
+async def _answered(connection: psycopg.AsyncConnection[Any], sql: str) -> None:
+    """`sql` on the listening connection, failing if it is not answered within CONNECT_TIMEOUT_S.
+    Then the socket is shut down rather than the call cancelled: psycopg answers a cancellation by
+    asking the server to cancel, and waits up to 10 s more, which a silent server never answers,
+    while the readers that the connection should wake wait too."""
+    execution = asyncio.ensure_future(connection.execute(sql))
+    try:
+        done, _ = await asyncio.wait({execution}, timeout=CONNECT_TIMEOUT_S)
+    except asyncio.CancelledError:
+        execution.cancel()
+        raise
+    if not done:
+        _break(connection)
+    await execution  # fails at once once broken
