@@ -18,7 +18,7 @@ import functools
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -133,7 +133,9 @@ class PostgresqlDialect(Dialect):
         self, statement: Executable, parameters: Mapping[str, Any] | None
     ) -> Sequence[Sequence[Any]]:
         async with self._autocommit.connect() as connection:
-            return rows_of(await connection.execute(statement, parameters))
+            raw = (await connection.get_raw_connection()).driver_connection
+            result = await _within(connection.execute(statement, parameters), raw, STATEMENT_DEADLINE_S)
+            return rows_of(result)
 
     async def transaction(self, run: Callable[[Connection], T], finished: Callable[[], None]) -> T:
         try:
@@ -304,16 +306,21 @@ class _Listener(Hearing):
 
 
 async def _answered(connection: psycopg.AsyncConnection[Any], sql: str) -> None:
-    """`sql` on the listening connection, failing if it is not answered within CONNECT_TIMEOUT_S.
-    Then the socket is shut down rather than the call cancelled: psycopg answers a cancellation by
-    asking the server to cancel, and waits up to 10 s more, which a silent server never answers,
-    while the readers that the connection should wake wait too."""
-    execution = asyncio.ensure_future(connection.execute(sql))
+    """`sql` on the listening connection, failing if it is not answered within CONNECT_TIMEOUT_S."""
+    await _within(connection.execute(sql), connection, CONNECT_TIMEOUT_S)
+
+
+async def _within(call: Awaitable[T], connection: Any, deadline_s: float) -> T:
+    """`call` on the async `connection` (psycopg's), which is broken if `call` is not answered
+    within `deadline_s`: the call then fails at once. Not cancelled: psycopg answers a cancellation
+    by asking the server to cancel, and waits up to 10 s more, which a silent server never answers,
+    while whatever waits for the call waits too."""
+    execution = asyncio.ensure_future(call)
     try:
-        done, _ = await asyncio.wait({execution}, timeout=CONNECT_TIMEOUT_S)
+        done, _ = await asyncio.wait({execution}, timeout=deadline_s)
     except asyncio.CancelledError:
         execution.cancel()
         raise
     if not done:
         _break(connection)
-    await execution  # fails at once once broken
+    return await execution
