@@ -319,7 +319,10 @@ async def _within(call: Awaitable[T], connection: Any, deadline_s: float) -> T:
     try:
         done, _ = await asyncio.wait({execution}, timeout=deadline_s)
     except asyncio.CancelledError:
+        # Over before the connection goes back to its pool, which it would otherwise leave.
         execution.cancel()
+        with contextlib.suppress(BaseException):
+            await execution
         raise
     if not done:
         _break(connection)
