@@ -37,13 +37,11 @@ from shared.registration import RegistrationSettings
 from shared.runtime import ServiceRuntime
 from shared.settings import ServerSettings
 from shared.tls_files import ca_error, key_pair_error
+from shared.validation import MAX_RECEIVE_MESSAGE_BYTES
 from shared.version import COGMENT_API_VERSION, PACKAGE_VERSION
 
 log = get_logger("shared.server")
 
-# gRPC's default is 4 MiB, but what a service sends back must be accepted again: a stored trial
-# sample (reward user data is copied per receiver) can be larger, and its export re-imported.
-MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
 # The grpc.health.v1 service name of liveness: SERVING as long as the process serves, whatever its
 # dependencies; "" and each served service tell readiness.
 LIVENESS_SERVICE = "liveness"

@@ -23,6 +23,10 @@ MAX_TRIAL_PARAMS_BYTES = 1 * MiB
 # and values together.
 MAX_PROPERTIES = 64
 MAX_PROPERTIES_BYTES = 2 * MiB
+# The largest message a service accepts. gRPC's default is 4 MiB, but what a service sends back
+# must be accepted again: a stored trial sample (reward user data is copied per receiver) can be
+# larger, and its export re-imported.
+MAX_RECEIVE_MESSAGE_BYTES = 64 * MiB
 # Ids or version numbers one request lists.
 MAX_LISTED_ITEMS = 10_000
 # Largest position of a 32-bit SQL integer column (e.g. version numbers on PostgreSQL).

@@ -55,7 +55,7 @@ from hypothesis import strategies as st
 from services.datastore.conversion import DatalogConverter
 from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
-from shared.server import MAX_RECEIVE_MESSAGE_BYTES
+from shared.validation import MAX_RECEIVE_MESSAGE_BYTES
 from tests.helpers.datastore import datalog_inputs, datalog_sample, trial_params
 from tests.helpers.fuzz import (
     CALL_TIMEOUT_S,

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from services.directory.servicer import TOKEN_PROPERTY
 from shared.api import common_pb2, directory_pb2, directory_pb2_grpc
-from shared.server import MAX_RECEIVE_MESSAGE_BYTES
+from shared.validation import MAX_RECEIVE_MESSAGE_BYTES
 from tests.helpers.fuzz import (
     CALL_TIMEOUT_S,
     CORRUPT,

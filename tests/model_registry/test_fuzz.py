@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 from shared.api import common_pb2, model_registry_pb2_grpc
 from shared.api import model_registry_pb2 as mr
-from shared.server import MAX_RECEIVE_MESSAGE_BYTES
+from shared.validation import MAX_RECEIVE_MESSAGE_BYTES
 from tests.helpers.digest import sha256_b64
 from tests.helpers.fuzz import (
     CALL_TIMEOUT_S,
