@@ -131,16 +131,28 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     return deserialize
 
 
-async def _checked_stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-    async for request in requests:
+class _ReceivedRequests:
+    """A client stream's requests, read one at a time with `context.read()`, none kept once
+    handed over: gRPC's own request iterator keeps each message until the next one arrives, which
+    a method bounding the bytes it holds (the datastore's ingestion) cannot allow. Bytes that do
+    not parse end the call with INVALID_ARGUMENT."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __aiter__(self) -> _ReceivedRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        request = await self._context.read()
+        if request is grpc.aio.EOF:
+            raise StopAsyncIteration
         if request is _UNDECODABLE:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
-        yield request
+            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
+        return request
 
 
-async def _admitted(request: Any, streaming: bool, context: Any) -> Any:
-    if streaming:
-        return _checked_stream(request, context)
+async def _admitted(request: Any, context: Any) -> Any:
     if request is _UNDECODABLE:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
     return request
@@ -200,9 +212,10 @@ def _wrap_unary_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> Any:
-        call = _ObservedCall(recorder, context, request if streaming else None)
+        requests = _ReceivedRequests(context) if streaming else None  # not gRPC's iterator, `request`
+        call = _ObservedCall(recorder, context, requests)
         try:
-            response = await behavior(await _admitted(request, streaming, context), context)
+            response = await behavior(requests if streaming else await _admitted(request, context), context)
         except BaseException as error:
             await call.failed(error)
             raise
@@ -216,9 +229,12 @@ def _wrap_stream_response(
     behavior: Callable[..., Any], recorder: _CallRecorder, streaming: bool
 ) -> Callable[..., Any]:
     async def handle(request: Any, context: Any) -> AsyncIterator[Any]:
-        call = _ObservedCall(recorder, context, request if streaming else None)
+        requests = _ReceivedRequests(context) if streaming else None  # not gRPC's iterator, `request`
+        call = _ObservedCall(recorder, context, requests)
         try:
-            async for response in behavior(await _admitted(request, streaming, context), context):
+            async for response in behavior(
+                requests if streaming else await _admitted(request, context), context
+            ):
                 yield response
         except BaseException as error:
             await call.failed(error)
