@@ -5,14 +5,14 @@ Each ingestion stream adds its samples to its own `IngestionBuffer`, which the g
 them from; the batcher writes each batch and tells every buffer what of it was committed.
 
 What is received and not yet committed is bounded, per stream (`max_stream_samples`,
-`max_stream_bytes`) and for the process (`max_in_flight_bytes`): past a bound, a stream reads no
-further (`has_room`, `wait_for_room`) until commits make room, and gRPC flow control then holds
-its sender back. A stream may go over by the one message it was reading when the bound was reached.
+`max_stream_bytes`, checked by `has_room` after each sample: a stream may go over by that one)
+and for the process, with what streams are reading (`max_in_flight_bytes`, acquired before each
+read: see InFlightBytes). Past a bound, a stream reads no further until commits make room, and
+gRPC flow control then holds its sender back.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 
@@ -24,6 +24,7 @@ from shared.dependencies import Dependencies
 from shared.errors import classify
 from shared.group_commit import GroupCommit
 from shared.logging import get_logger
+from shared.validation import MAX_RECEIVE_MESSAGE_BYTES
 
 DEFAULT_MAX_SAMPLES = 1000
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
@@ -59,15 +60,15 @@ class SampleBatcher:
         self.max_stream_samples = max_stream_samples
         self.max_stream_bytes = max_stream_bytes
         self.max_in_flight_bytes = max_in_flight_bytes
-        self._in_flight = InFlightBytes()
+        self._in_flight = InFlightBytes(max_in_flight_bytes, MAX_RECEIVE_MESSAGE_BYTES)
         self._commit: GroupCommit[IngestionBuffer, SampleAppend] = GroupCommit(
             "sample-writer", self._write, max_items=max_samples, max_bytes=max_bytes, interval_s=interval_s
         )
 
     @property
     def in_flight_bytes(self) -> int:
-        """Bytes received by every stream and not yet committed."""
-        return self._in_flight.count
+        """Bytes received by every stream and not yet committed, or acquired for a read."""
+        return self._in_flight.budget.held
 
     def start(self) -> None:
         self._commit.start()
@@ -83,16 +84,9 @@ class SampleBatcher:
         return IngestionBuffer(self._commit, self._in_flight, trial_seq, api)
 
     def has_room(self, buffer: IngestionBuffer) -> bool:
-        """Whether the stream of `buffer` may read another sample."""
-        return (
-            buffer.in_flight < self.max_stream_samples
-            and buffer.in_flight_bytes < self.max_stream_bytes
-            and self._in_flight.count < self.max_in_flight_bytes
-        )
-
-    async def wait_for_room(self, woken: asyncio.Event) -> None:
-        """Until something was committed or failed, by any stream (or `woken` was set)."""
-        await self._in_flight.wait_for_room(woken)
+        """Whether the stream of `buffer` is within its own bounds (the process's are acquired,
+        IngestionBuffer.acquire_read)."""
+        return buffer.in_flight < self.max_stream_samples and buffer.in_flight_bytes < self.max_stream_bytes
 
     async def _write(self, batch: list[tuple[IngestionBuffer, SampleAppend, int]]) -> None:
         appends = [append for _, append, _ in batch]

@@ -98,12 +98,21 @@ class Ingestion:
         async def read() -> None:
             nonlocal reading
             try:
-                async for request in requests:
-                    if dropping:
-                        continue  # the call failed: what still comes is read only to be dropped
-                    add(request)
+                while True:
+                    # gRPC receives the next message only once it is read: room for it comes first.
+                    read_room = await buffer.acquire_read()
+                    try:
+                        request = await anext(requests, None)
+                        if request is None:
+                            return
+                        if not dropping:  # the call failed: what still comes is read only to be dropped
+                            add(request)
+                        del request  # converted: not held while the stream waits
+                    finally:
+                        read_room.release()
                     while not batcher.has_room(buffer) and buffer.failure is None and not dropping:
-                        await batcher.wait_for_room(room)
+                        await room.wait()
+                        room.clear()
             except Exception as error:  # a bad sample, or the stream broke: after what came before
                 read_failure.append(error)
             finally:

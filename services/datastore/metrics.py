@@ -98,7 +98,9 @@ trial_ticks = PlainHistogram(
 datalog_streams = Gauge(PREFIX + "datalog_streams", "Datalog streams open.")
 live_readers = Gauge(PREFIX + "live_readers", "RetrieveSamples streams open.")
 held_bytes = Gauge(
-    PREFIX + "held_bytes", "Bytes of samples received and not yet committed, every stream together."
+    PREFIX + "held_bytes",
+    "Bytes of samples received and not yet committed, and acquired for the samples being read, "
+    "every stream together.",
 )
 held_bytes_budget = Gauge(
     PREFIX + "held_bytes_budget", "The budget of held_bytes (--ingestion_bytes): past it streams wait."

@@ -11,12 +11,13 @@ import psycopg
 import pytest
 
 from services.datastore.batcher import SampleBatcher
-from services.datastore.ingestion_buffer import IngestionBuffer
+from services.datastore.ingestion_buffer import IDLE_READ_S, READ_COPIES, IngestionBuffer
 from services.datastore.metrics import DATALOG_API
 from services.datastore.model import NO_STATE
 from services.datastore.store import DatastoreStore, SampleAppend
 from shared.api import common_pb2
 from shared.db import Database
+from shared.validation import MAX_RECEIVE_MESSAGE_BYTES
 
 
 class RecordingStore(DatastoreStore):
@@ -99,23 +100,62 @@ async def test_bytes_in_flight_are_bounded_per_stream_and_per_process(store: Rec
     assert batcher.has_room(first)
     first.add(b"x", NO_STATE)  # its own bound reached: only this stream waits
     assert not batcher.has_room(first) and batcher.has_room(second)
-    second.add(b"y" * 90, NO_STATE)
-    doomed.add(b"z" * 60, NO_STATE)  # 250 bytes in flight: every stream waits
-    assert batcher.in_flight_bytes == 250
-    assert not any(batcher.has_room(buffer) for buffer in (first, second, doomed))
+    second.add(b"y" * 30, NO_STATE)
+    doomed.add(b"z" * 20, NO_STATE)
+    # A read acquires three times the largest sample its stream sent: 150 + 90 bytes.
+    second_read = await second.acquire_read()
+    assert batcher.in_flight_bytes == 240
+    doomed_read = asyncio.create_task(doomed.acquire_read())  # 60 more: it waits its turn
+    await asyncio.sleep(0.01)
+    assert not doomed_read.done()
+    second_read.release()
+    doomed_room = await asyncio.wait_for(doomed_read, 1)
+    assert batcher.in_flight_bytes == 210
 
     await store.delete_trials(["gone"])
-    woken = asyncio.Event()
-    waiting = asyncio.create_task(batcher.wait_for_room(woken))
-    batcher.start()  # commits make room, and wake whoever waits for it
-    await asyncio.wait_for(waiting, 30)
+    batcher.start()
     await asyncio.wait_for(asyncio.gather(*(_settled(b) for b in (first, second, doomed))), 30)
     await batcher.stop()
-    # A failed stream's samples (its trial was deleted) no longer count either.
+    # A failed stream's samples (its trial was deleted) no longer count either: only the read.
     assert doomed.failure is not None
     assert (first.in_flight_bytes, second.in_flight_bytes, doomed.in_flight_bytes) == (0, 0, 0)
+    assert batcher.in_flight_bytes == 60
+    doomed_room.release()
     assert batcher.in_flight_bytes == 0
     assert all(batcher.has_room(buffer) for buffer in (first, second))
+
+
+async def test_a_new_stream_expects_what_new_streams_sent_lately(store: RecordingStore) -> None:
+    seqs = [await store.upsert_trial(name, "u", b"", {}, 0) for name in ["a", "b", "c"]]
+    batcher = SampleBatcher(store, max_in_flight_bytes=10 * 2**20)
+    first, second, third = (batcher.open(seq, DATALOG_API) for seq in seqs)
+    # Before any sample, a stream's first read expects the largest message gRPC accepts: it
+    # waits for room, and is admitted alone since nothing else is held.
+    room = await asyncio.wait_for(first.acquire_read(), 1)
+    assert room.size == READ_COPIES * MAX_RECEIVE_MESSAGE_BYTES
+    first.add(b"x" * 1000, NO_STATE)
+    room.release()
+    second_room = await second.acquire_read()
+    assert second_room.size == READ_COPIES * 1000
+    second_room.release()
+    # A stream expects what it sent itself, once it sent something.
+    third.add(b"x" * 10, NO_STATE)
+    third_room = await third.acquire_read()
+    assert third_room.size == READ_COPIES * 10
+    third_room.release()
+
+
+async def test_an_idle_read_keeps_little_room(store: RecordingStore) -> None:
+    seq = await store.upsert_trial("a", "u", b"", {}, 0)
+    batcher = SampleBatcher(store, max_in_flight_bytes=64 * 2**20)
+    buffer = batcher.open(seq, DATALOG_API)
+    buffer.add(b"x" * (8 * 2**20), NO_STATE)
+    room = await buffer.acquire_read()
+    assert batcher.in_flight_bytes == 32 * 2**20
+    await asyncio.sleep(IDLE_READ_S + 0.2)  # its client sends nothing: others need not wait for it
+    assert batcher.in_flight_bytes == 8 * 2**20
+    room.release()
+    assert batcher.in_flight_bytes == 8 * 2**20
 
 
 async def test_one_batch_may_hold_a_trial_twice(store: RecordingStore) -> None:
