@@ -9,9 +9,10 @@ closed, and they have every sample stored by then.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from services.datastore import metrics
@@ -23,6 +24,7 @@ from services.datastore.model import NO_STATE, TrialCount, TrialRecord, TrialSta
 from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, trial_datastore_pb2
+from shared.byte_budget import ByteBudget
 from shared.dependencies import Dependencies
 from shared.errors import NotFound
 from shared.handlers import fitting_count
@@ -30,10 +32,15 @@ from shared.logging import get_logger
 from shared.notify import ChangeFeed
 from shared.validation import MAX_INT64_POSITION, MiB, quoted
 
-# Samples read per query while replaying: at most READ_BATCH rows, and about `read_batch_bytes`
-# (a reader sizes each batch from the samples of its previous one; its first is one sample).
+# Samples read per query while replaying: at most READ_BATCH rows, and `read_batch_bytes` (one
+# sample at least; their sizes are read first).
 READ_BATCH = 500
 DEFAULT_READ_BATCH_BYTES = 8 * 1024 * 1024
+# What every replaying reader together holds, samples read and not yet sent, is bounded by the
+# replay budget (`replay_bytes`): past it readers wait their turn. A sample counts this many
+# times over: as read, and as the reply that sends it.
+DEFAULT_REPLAY_BYTES = 256 * 1024 * 1024
+REPLAY_COPIES = 2
 # The user id of trials ingested without a `user-id` header (the reference's constant).
 DEFAULT_DATALOG_USER_ID = "log exporter server"
 # A range of samples (RetrieveSampleRange): rows by default and at most, and its bytes, past
@@ -56,9 +63,11 @@ class TrialDatastore:
         dependencies: Dependencies | None = None,
         *,
         read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+        replay_bytes: int = DEFAULT_REPLAY_BYTES,
     ) -> None:
         self.store = store
         self.read_batch_bytes = read_batch_bytes
+        self.replay_budget = ByteBudget(replay_bytes)
         self.feed = feed
         self.batcher = batcher
         self.leases = leases
@@ -158,8 +167,7 @@ class TrialDatastore:
         """Serialized StoredTrialSamples of the trial from position `first` on (with `tick`: from
         the first of them of that tick), `count` at most (0: RANGE_DEFAULT_COUNT) and
         RANGE_MAX_BYTES together unless one alone is larger; the position of the first answered,
-        and how many samples the trial has. Rows are read in batches of about RANGE_MAX_BYTES
-        (the first batch one row), so that a search holds one batch at a time."""
+        and how many samples the trial has."""
         count = count or RANGE_DEFAULT_COUNT
         position = min(first, MAX_INT64_POSITION)  # past any trial's samples: none
         found = await self.ride_out(functools.partial(self.store.get_trials, [trial_id]))
@@ -177,28 +185,32 @@ class TrialDatastore:
         self, seq: int, first: int, count: int, tick: int | None
     ) -> tuple[list[bytes], int]:
         """The samples `sample_range` answers, and the position of the first (none: where the
-        reading stopped)."""
+        reading stopped). Rows are read within the replay budget, in batches of RANGE_MAX_BYTES
+        (one sample at least)."""
         kept: list[bytes] = []
-        size, start, position, rows = 0, first, first, 1
+        size, start, position = 0, first, first
         searching = tick is not None
         while True:
-            batch = await self.ride_out(functools.partial(self.store.read_samples, seq, position, rows))
-            for data in batch:
-                if searching:
-                    if trial_datastore_pb2.StoredTrialSample.FromString(data).tick_id != tick:
+            sizes = await self.ride_out(
+                functools.partial(self.store.sample_sizes, seq, position, RANGE_MAX_COUNT)
+            )
+            rows = _fitting_rows(sizes, RANGE_MAX_BYTES)
+            if rows:
+                replayed = self._replayed(seq, position, sizes[:rows])
+                async with contextlib.aclosing(replayed):
+                    async for data in replayed:
+                        if searching:
+                            if trial_datastore_pb2.StoredTrialSample.FromString(data).tick_id != tick:
+                                position += 1
+                                continue
+                            searching, start = False, position
+                        if len(kept) == count or (kept and size + len(data) > RANGE_MAX_BYTES):
+                            return kept, start
+                        kept.append(data)
+                        size += len(data)
                         position += 1
-                        continue
-                    searching, start = False, position
-                if len(kept) == count or (kept and size + len(data) > RANGE_MAX_BYTES):
-                    return kept, start
-                kept.append(data)
-                size += len(data)
-                position += 1
-            if len(batch) < rows or len(kept) == count:
+            if rows == len(sizes) < RANGE_MAX_COUNT or len(kept) == count:
                 return kept, start if kept else position
-            average = max(1, sum(len(data) for data in batch) // len(batch))
-            rows = max(1, min(RANGE_MAX_COUNT, RANGE_MAX_BYTES // average))
-            del batch  # one batch held at a time
 
     # ---- ingestion ----
 
@@ -253,19 +265,20 @@ class TrialDatastore:
                 while readers:
                     progressed = False
                     for reader in list(readers):
-                        seq, rows = reader.trial.trial_seq, reader.batch_rows
-                        batch = await self.ride_out(
-                            functools.partial(self.store.read_samples, seq, reader.next, rows)
+                        seq = reader.trial.trial_seq
+                        sizes = await self.ride_out(
+                            functools.partial(self.store.sample_sizes, seq, reader.next, READ_BATCH)
                         )
-                        reader.next += len(batch)
-                        metrics.replayed_samples_total.inc(amount=len(batch))
-                        full = len(batch) == rows  # more may follow at once
-                        reader.size_batches(batch, self.read_batch_bytes)
-                        for data in batch:
-                            yield reader.filtered(data)
-                        del batch  # a reader that stops reading holds one batch, not two
-                        if full:
-                            progressed = True
+                        rows = _fitting_rows(sizes, self.read_batch_bytes)
+                        if rows:
+                            replayed = self._replayed(seq, reader.next, sizes[:rows])
+                            async with contextlib.aclosing(replayed):  # its room given back at once
+                                async for data in replayed:
+                                    reader.next += 1
+                                    yield reader.filtered(data)
+                            metrics.replayed_samples_total.inc(amount=rows)
+                        if rows < len(sizes) or len(sizes) == READ_BATCH:
+                            progressed = True  # more follow at once
                             continue
                         progress = await self.ride_out(functools.partial(self.store.progress, seq))
                         if progress is None:
@@ -281,6 +294,37 @@ class TrialDatastore:
         finally:
             self.readers -= 1
 
+    async def _replayed(self, trial_seq: int, first: int, sizes: list[int]) -> AsyncGenerator[bytes, None]:
+        """The trial's samples from position `first` on, of these sizes, read once there is room
+        for them in the replay budget (see REPLAY_COPIES); each gives its room back once the next
+        is asked for, i.e. once it was sent."""
+        held = REPLAY_COPIES * sum(sizes)
+        await self.replay_budget.acquire(held)
+        try:
+            batch = await self.ride_out(
+                functools.partial(self.store.read_samples, trial_seq, first, len(sizes))
+            )
+            batch.reverse()  # popped in order: a sample sent is no longer held here
+            while batch:
+                data = batch.pop()
+                yield data
+                sent = REPLAY_COPIES * len(data)
+                del data
+                self.replay_budget.release(sent)
+                held -= sent
+        finally:
+            self.replay_budget.release(held)
+
+
+def _fitting_rows(sizes: list[int], budget_bytes: int) -> int:
+    """How many of the first samples of these sizes fit the budget together (one at least)."""
+    total = 0
+    for rows, size in enumerate(sizes):
+        total += size
+        if total > budget_bytes:
+            return max(rows, 1)
+    return len(sizes)
+
 
 async def _at_once(read: Callable[[], Awaitable[R]]) -> R:
     return await read()
@@ -290,15 +334,7 @@ class _TrialReader:
     def __init__(self, trial: TrialRecord, sample_filter: SampleFilter) -> None:
         self.trial = trial
         self.next = 0
-        # Rows of the next read (see size_batches).
-        self.batch_rows = 1
         self._filter = None if sample_filter.keeps_everything else sample_filter
-
-    def size_batches(self, batch: list[bytes], budget_bytes: int) -> None:
-        """Size the next read from this one's samples."""
-        if batch:
-            average = max(sum(len(data) for data in batch) // len(batch), 1)
-            self.batch_rows = max(1, min(READ_BATCH, budget_bytes // average))
 
     def filtered(self, data: bytes) -> bytes:
         if self._filter is None:

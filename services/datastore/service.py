@@ -16,7 +16,7 @@ from services.datastore.batcher import (
     DEFAULT_MAX_STREAM_BYTES,
     SampleBatcher,
 )
-from services.datastore.core import DEFAULT_READ_BATCH_BYTES, TrialDatastore
+from services.datastore.core import DEFAULT_READ_BATCH_BYTES, DEFAULT_REPLAY_BYTES, TrialDatastore
 from services.datastore.lease_holders import HolderLocks
 from services.datastore.leases import DEFAULT_LEASE_S, IngestionLeases, check_outage_bound
 from services.datastore.servicer import add_servicers
@@ -47,13 +47,18 @@ OPTIONS: list[Option] = [
     Option("read_batch_bytes", "bytes of stored samples a replaying reader reads at once, and holds "
            "at most while its client reads slowly (a larger sample is read alone)",
            DEFAULT_READ_BATCH_BYTES, f"{ENV_PREFIX}_READ_BATCH_BYTES", positive_int),
+    Option("replay_bytes", "bytes of stored samples every replaying reader together holds, read and "
+           "not yet sent, each counted twice (as read and as sent): past it readers wait their "
+           "turn (a sample larger than this is read alone)", DEFAULT_REPLAY_BYTES,
+           f"{ENV_PREFIX}_REPLAY_BYTES", positive_int),
     Option("ingestion_stream_bytes", "bytes of samples one ingestion stream may have received and not "
            "yet committed: past it the stream reads no further (gRPC flow control holds its sender "
            "back) until commits catch up", DEFAULT_MAX_STREAM_BYTES,
            f"{ENV_PREFIX}_INGESTION_STREAM_BYTES", positive_int),
-    Option("ingestion_bytes", "bytes of samples every ingestion stream together may have received and "
-           "not yet committed: past it streams read no further until commits catch up (each may "
-           "go over by the one message it was reading)", DEFAULT_MAX_IN_FLIGHT_BYTES,
+    Option("ingestion_bytes", "bytes of samples every ingestion stream together holds: received and "
+           "not yet committed, and three times the sample each is reading (as large as its "
+           "largest, or as new streams' lately): past it streams wait their turn to read, and "
+           "gRPC flow control holds their senders back", DEFAULT_MAX_IN_FLIGHT_BYTES,
            f"{ENV_PREFIX}_INGESTION_BYTES", positive_int),
     Option("ingestion_lease", "seconds after which a trial whose ingesting process died (its "
            "stream never closed) is closed as interrupted, by any replica; at least 1.5 times "
@@ -75,6 +80,7 @@ class DatastoreSettings(ServerSettings, RegistrationSettings):
     ingestion_lease: float
     ingestion_stream_bytes: int
     read_batch_bytes: int
+    replay_bytes: int
 
 
 log = get_logger("datastore")
@@ -108,6 +114,7 @@ class DatastoreService(Service[DatastoreSettings]):
             self.leases,
             self.dependencies,
             read_batch_bytes=settings.read_batch_bytes,
+            replay_bytes=settings.replay_bytes,
         )
         metrics.watch(
             open_streams=lambda: self.leases.streams,

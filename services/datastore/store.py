@@ -85,6 +85,14 @@ _READ_SAMPLES = (
     .order_by(samples.c.sample_seq)
     .limit(bindparam("limit", type_=Integer))
 )
+# length() of a blob (bytea) reads its size from SQLite's record (PostgreSQL's value header):
+# the data itself is not read.
+_SAMPLE_SIZES = (
+    select(func.length(samples.c.data))
+    .where(samples.c.trial_seq == bindparam("seq"), samples.c.sample_seq >= bindparam("first"))
+    .order_by(samples.c.sample_seq)
+    .limit(bindparam("limit", type_=Integer))
+)
 _LAST_SEQ = select(func.max(trials.c.trial_seq))
 _COUNT_TRIALS = select(trials.c.last_state, trials.c.ended, trials.c.closed, func.count()).group_by(
     trials.c.last_state, trials.c.ended, trials.c.closed
@@ -334,6 +342,11 @@ class DatastoreStore:
             return closed
 
         return await self.db.write(write)
+
+    async def sample_sizes(self, trial_seq: int, first: int, limit: int) -> list[int]:
+        """The sizes of the samples `read_samples` would read, without reading them."""
+        rows = await self.db.fetch(_SAMPLE_SIZES, {"seq": trial_seq, "first": first, "limit": limit})
+        return [int(row[0]) for row in rows]
 
     async def read_samples(self, trial_seq: int, first: int, limit: int) -> list[bytes]:
         rows = await self.db.fetch(_READ_SAMPLES, {"seq": trial_seq, "first": first, "limit": limit})

@@ -1,20 +1,26 @@
 """Memory bounded by settings, not by what clients do, measured on a real server process's RSS: a
 replaying reader that stops reading holds about one read batch (`--read_batch_bytes`); ingestion
-streams whose commits stall hold about `--ingestion_bytes`."""
+streams whose commits stall hold about `--ingestion_bytes`; many streams and readers of huge
+samples wait their turn within `--ingestion_bytes` and `--replay_bytes`."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
 from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
+from shared.validation import MiB
 from tests.fixtures.postgres import PostgresCluster, new_database_name
 from tests.helpers.datastore import datalog_inputs, datalog_sample, trial_params
 from tests.helpers.services import rss_bytes, start_service
+
+R = TypeVar("R")
 
 SAMPLE_BYTES = 2 * 1024 * 1024
 SAMPLES = 150  # 300 MiB stored
@@ -118,3 +124,64 @@ async def test_ingestion_in_flight_is_bounded_while_commits_stall(
             assert peak < bound, f"RSS grew {peak / 2**20:.0f} MiB"
             # The streams waited (flow control), they did not fail: every sample is acknowledged.
             assert await asyncio.wait_for(asyncio.gather(*streams), 120) == [STREAM_SAMPLES + 1] * STREAMS
+
+
+HUGE_SAMPLE_BYTES = 60_000_000
+HUGE_STREAMS = 8
+HUGE_READERS = 16
+# The default budgets (--ingestion_bytes, --replay_bytes).
+BUDGET_BYTES = 256 * MiB
+# What does not grow with the budgets: memory the allocator keeps for reuse after the first huge
+# messages, gRPC's buffers, the database's.
+UNBUDGETED_BYTES = 128 * MiB
+HUGE_MESSAGES = [("grpc.max_receive_message_length", 100 * MiB), ("grpc.max_send_message_length", 100 * MiB)]
+
+
+async def test_huge_samples_from_many_streams_and_readers_wait_their_turn(tmp_path: Path) -> None:
+    """8 datalog streams each sending a 60 MB sample at once, then 16 readers of them: the peak
+    stays within twice the budget (unbounded, they took 1,459 and 1,972 MiB)."""
+    args = ["--database_url", f"sqlite+aiosqlite:///{tmp_path / 'datastore.db'}", "--log_level", "info"]
+    with await asyncio.to_thread(start_service, "services.datastore", args, log_dir=tmp_path) as service:
+        pid = service.process.pid
+        async with grpc.aio.insecure_channel(service.address, options=HUGE_MESSAGES) as channel:
+            datalog = datalog_pb2_grpc.DatalogSPStub(channel)
+            stub = trial_datastore_pb2_grpc.TrialDatastoreSPStub(channel)
+
+            async def ingest(stream: int) -> int:
+                sample = datalog_sample(0, common_pb2.ENDED)
+                sample.observations.observations[0] = bytes([stream]) * HUGE_SAMPLE_BYTES
+                inputs = datalog_inputs(trial_params(), [sample])
+                call = datalog.RunTrialDatalog(iter(inputs), metadata=(("trial-id", f"huge{stream}"),))
+                return len([ack async for ack in call])
+
+            async def replay(reader: int) -> list[int]:
+                request = ds.RetrieveSamplesRequest(trial_ids=[f"huge{reader % HUGE_STREAMS}"])
+                replies = stub.RetrieveSamples(request)
+                return [max(map(len, reply.trial_sample.payloads)) async for reply in replies]
+
+            await asyncio.sleep(1.0)
+            idle = rss_bytes(pid)
+            acks, peak = await _with_peak_rss(pid, asyncio.gather(*map(ingest, range(HUGE_STREAMS))))
+            _check_growth(peak - idle, f"{HUGE_STREAMS} streams of a 60 MB sample")
+            assert acks == [2] * HUGE_STREAMS
+
+            await asyncio.sleep(1.0)
+            idle = rss_bytes(pid)
+            read, peak = await _with_peak_rss(pid, asyncio.gather(*map(replay, range(HUGE_READERS))))
+            _check_growth(peak - idle, f"{HUGE_READERS} readers of a 60 MB sample")
+            assert read == [[HUGE_SAMPLE_BYTES]] * HUGE_READERS
+
+
+def _check_growth(growth: int, load: str) -> None:
+    print(f"datastore: RSS grew {growth / MiB:.0f} MiB with {load}")
+    assert growth < 2 * BUDGET_BYTES + UNBUDGETED_BYTES, f"RSS grew {growth / MiB:.0f} MiB with {load}"
+
+
+async def _with_peak_rss(pid: int, work: Awaitable[R]) -> tuple[R, int]:
+    """What `work` gives, and the process's peak RSS meanwhile (sampled every 20 ms)."""
+    task = asyncio.ensure_future(work)
+    peak = 0
+    while not task.done():
+        peak = max(peak, rss_bytes(pid))
+        await asyncio.wait([task], timeout=0.02)
+    return task.result(), peak
