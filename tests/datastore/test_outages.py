@@ -14,14 +14,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from sqlalchemy import make_url
 
 from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
-from tests.fixtures.postgres import PostgresCluster, new_database_name
+from tests.fixtures.postgres import PostgresCluster, ProxiedDatabase, new_database_name
 from tests.helpers.datastore import datalog_sample, read_samples, trial_params
 from tests.helpers.exposed_metrics import delta, exposed
-from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.health import NOT_SERVING, SERVING, health, wait_for_health
 from tests.helpers.running import RunningDatastore, make_datastore_factory
 from tests.helpers.services import start_service
@@ -190,18 +188,15 @@ async def test_a_killed_ingesting_replica_leaves_no_trial_running(postgres_url: 
 
 
 async def test_samples_whose_commit_answer_was_lost_on_the_wire_are_stored_once(
-    postgres_cluster: PostgresCluster,
+    proxied_database: ProxiedDatabase,
 ) -> None:
     """The connection breaks once PostgreSQL committed a batch, before its answer reached the
     datastore: it rides that out like an outage, and its retry stores nothing twice."""
-    url = postgres_cluster.create_database(new_database_name())
-    port = make_url(url).port
-    assert port is not None
-    async with FaultProxy(port) as proxy, make_datastore_factory(proxy.url_for(url))() as datastore:
+    async with make_datastore_factory(proxied_database.url)() as datastore:
         stream = DatalogStream(datastore.datalog, "t-lost")
         stream.send(*(datalog_sample(tick) for tick in range(10)), params=trial_params())
         await stream.wait_acks(11)
-        lost = proxy.arm_lost_commit(b"json_to_recordset")  # the batch statement
+        lost = proxied_database.proxy.arm_lost_commit(b"json_to_recordset")  # the batch statement
         stream.send(*(datalog_sample(tick) for tick in range(10, 20)))
         assert await lost.wait(WAIT_S), "the batch was rolled back, not committed"
         stream.send(*(datalog_sample(tick) for tick in range(20, 30)), datalog_sample(30, common_pb2.ENDED))
@@ -215,22 +210,19 @@ async def test_samples_whose_commit_answer_was_lost_on_the_wire_are_stored_once(
 
 
 async def test_a_database_that_goes_silent_without_closing_anything_is_ridden_out(
-    postgres_cluster: PostgresCluster,
+    proxied_database: ProxiedDatabase,
 ) -> None:
     """A black hole between the datastore and PostgreSQL (connections stay open and acknowledged,
     nothing is answered), then the network heals: the statements and probes caught in it are
     interrupted, not waited on for ever; every sample is stored once and health is SERVING again."""
-    url = postgres_cluster.create_database(new_database_name())
-    port = make_url(url).port
-    assert port is not None
-    async with FaultProxy(port) as proxy, make_datastore_factory(proxy.url_for(url))() as datastore:
+    async with make_datastore_factory(proxied_database.url)() as datastore:
         stream = DatalogStream(datastore.datalog, "t-silent")
         stream.send(*(datalog_sample(tick) for tick in range(5)), params=trial_params())
         await stream.wait_acks(6)
-        proxy.blackhole()
+        proxied_database.proxy.blackhole()
         stream.send(*(datalog_sample(tick) for tick in range(5, 10)))
         await wait_for_health(datastore.channel, NOT_SERVING)  # its probe timed out
-        proxy.restore()
+        proxied_database.proxy.restore()
         stream.send(*(datalog_sample(tick) for tick in range(10, 15)), datalog_sample(15, common_pb2.ENDED))
         await stream.wait_acks(17)
         await stream.close()

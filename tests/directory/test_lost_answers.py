@@ -11,16 +11,14 @@ from typing import Any
 
 import grpc
 import pytest
-from sqlalchemy import make_url
 
 from services.directory import entry_writes
 from services.directory.model import Endpoint, Registration
 from services.directory.store import DirectoryStore
 from shared.api import directory_pb2
 from shared.db import Database
-from tests.fixtures.postgres import PostgresCluster, new_database_name
+from tests.fixtures.postgres import ProxiedDatabase
 from tests.helpers.directory import ACTOR, COGMENT, OK, deregister, register, request, visible_ids
-from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.lost_answers import break_before_commit, commit_late, lose_an_answer
 from tests.helpers.running import DirectoryFactory, RunningDirectory, make_directory_factory
 
@@ -145,16 +143,13 @@ async def test_a_batch_of_new_and_permanent_entries(store: DirectoryStore, outco
 
 @pytest.mark.parametrize("permanent", [False, True], ids=["new", "permanent"])
 async def test_a_registration_whose_commit_answer_was_lost_on_the_wire_is_made_once(
-    postgres_cluster: PostgresCluster, permanent: bool
+    proxied_database: ProxiedDatabase, permanent: bool
 ) -> None:
     """PostgreSQL committed the entry, the connection broke before its answer came back (the fault
     proxy): new entries' one statement, or the transaction of a permanent one. The directory reads
     the entry back and answers OK once, with the one entry made."""
-    url = postgres_cluster.create_database(new_database_name())
-    port = make_url(url).port
-    assert port is not None
-    async with FaultProxy(port) as proxy, make_directory_factory(proxy.url_for(url))() as directory:
-        lost = proxy.arm_lost_commit(b"INSERT INTO directory_services")
+    async with make_directory_factory(proxied_database.url)() as directory:
+        lost = proxied_database.proxy.arm_lost_commit(b"INSERT INTO directory_services")
         registration = request(properties={"answer": "lost"}, permanent=permanent)
         [reply] = await register(directory, registration)
         assert reply.status == OK, reply
@@ -165,23 +160,20 @@ async def test_a_registration_whose_commit_answer_was_lost_on_the_wire_is_made_o
 
 
 async def test_a_registration_given_up_on_before_its_write_is_not_written(
-    postgres_cluster: PostgresCluster,
+    proxied_database: ProxiedDatabase,
 ) -> None:
     """Its client's deadline passes while another registration's write hangs (PostgreSQL silent
     behind a black hole): not written once the database answers again, so that the client, told
     DEADLINE_EXCEEDED, registering again, makes the only entry."""
-    url = postgres_cluster.create_database(new_database_name())
-    port = make_url(url).port
-    assert port is not None
-    async with FaultProxy(port) as proxy, make_directory_factory(proxy.url_for(url))() as directory:
-        proxy.blackhole()
+    async with make_directory_factory(proxied_database.url)() as directory:
+        proxied_database.proxy.blackhole()
         first = asyncio.create_task(register(directory, request(properties={"order": "first"})))
         await asyncio.sleep(0.5)  # its batch is being written
         stream = directory.stub.Register(iter([request(properties={"order": "given-up"})]), timeout=1)
         with pytest.raises(grpc.aio.AioRpcError) as given_up:
             [reply async for reply in stream]
         assert given_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        proxy.restore()
+        proxied_database.proxy.restore()
         [reply] = await asyncio.wait_for(first, 30)
         assert reply.status == OK
         assert await visible_ids(directory, properties={"order": "first"}) == [reply.service_id]

@@ -11,12 +11,10 @@ from collections.abc import Sequence
 
 import grpc
 import pytest
-from sqlalchemy import make_url
 
 from shared.api import model_registry_pb2 as mr
-from tests.fixtures.postgres import PostgresCluster, new_database_name
+from tests.fixtures.postgres import PostgresCluster, ProxiedDatabase, new_database_name
 from tests.fixtures.seaweedfs import SeaweedS3, new_bucket_name
-from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.health import NOT_SERVING, SERVING, health, wait_for_health
 from tests.helpers.registry import UPLOAD_CHUNK, WAIT_S, download, numbers, upload
 from tests.helpers.running import make_registry_factory
@@ -119,24 +117,20 @@ async def test_blob_store_outage(faulty_seaweed_s3: SeaweedS3, tmp_path: object)
 
 
 async def test_a_version_whose_commit_answer_was_lost_on_the_wire_is_made_once(
-    postgres_cluster: PostgresCluster, tmp_path: object
+    proxied_database: ProxiedDatabase, tmp_path: object
 ) -> None:
     """PostgreSQL committed the version, the connection broke before its answer came back (the
     fault proxy): the registry rides it out, makes the commit again, finds the version made, and
     the client is told of that one version."""
-    url = postgres_cluster.create_database(new_database_name())
-    port = make_url(url).port
-    assert port is not None
-    async with FaultProxy(port) as proxy:
-        start = make_registry_factory("--database_url", proxy.url_for(url), "--archive_dir", str(tmp_path))
-        async with start() as registry:
-            await registry.stub.CreateOrUpdateModel(
-                mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id="m"))
-            )
-            data = secrets.token_bytes(3 * UPLOAD_CHUNK)
-            lost = proxy.arm_lost_commit(b"INSERT INTO registry_versions")
-            assert await upload(registry, "m", data) == 1
-            assert await lost.wait(WAIT_S), "the version was rolled back, not committed"
-            assert await numbers(registry, "m") == [1]
-            assert await download(registry, "m", 1) == data
-            assert await upload(registry, "m", data[:10]) == 2  # numbering goes on, gap-free
+    start = make_registry_factory("--database_url", proxied_database.url, "--archive_dir", str(tmp_path))
+    async with start() as registry:
+        await registry.stub.CreateOrUpdateModel(
+            mr.CreateOrUpdateModelRequest(model_info=mr.ModelInfo(model_id="m"))
+        )
+        data = secrets.token_bytes(3 * UPLOAD_CHUNK)
+        lost = proxied_database.proxy.arm_lost_commit(b"INSERT INTO registry_versions")
+        assert await upload(registry, "m", data) == 1
+        assert await lost.wait(WAIT_S), "the version was rolled back, not committed"
+        assert await numbers(registry, "m") == [1]
+        assert await download(registry, "m", 1) == data
+        assert await upload(registry, "m", data[:10]) == 2  # numbering goes on, gap-free
