@@ -1,5 +1,5 @@
-"""The replay buffer's transition store against a plain model: a queue that takes transitions one
-at a time and drops its oldest while over either capacity."""
+"""The replay buffer's step store against a plain model: a queue that takes steps one at a time
+and drops its oldest while over either capacity."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.datastore.client.transition_store import TransitionStore
+from services.datastore.client.step_store import StepStore
 
-# A transition: an observation of 2 float32 (8 bytes), raw action bytes, a float64 reward.
+# A step: an observation of 2 float32 (8 bytes), raw action bytes, a float64 reward.
 FIXED_BYTES = 8 + 8
 
 
@@ -27,11 +27,11 @@ def runs(draw: st.DrawFn) -> tuple[int, int | None, list[list[int]]]:
 
 @settings(max_examples=300, deadline=None)
 @given(runs())
-def test_batches_are_stored_as_one_transition_at_a_time_would_be(
+def test_batches_are_stored_as_one_step_at_a_time_would_be(
     case: tuple[int, int | None, list[list[int]]],
 ) -> None:
     capacity, capacity_bytes, batches = case
-    store = TransitionStore(capacity, capacity_bytes)
+    store = StepStore(capacity, capacity_bytes)
     model: deque[tuple[int, int]] = deque()  # (key, action length)
     next_key = 0
     for batch in batches:
@@ -66,11 +66,11 @@ def test_batches_are_stored_as_one_transition_at_a_time_would_be(
 
 def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="capacity must be"):
-        TransitionStore(0)
+        StepStore(0)
     with pytest.raises(ValueError, match="capacity_bytes must be"):
-        TransitionStore(10, 0)
-    store = TransitionStore(10, capacity_bytes=100)
-    with pytest.raises(ValueError, match=r"a transition of 101 bytes is larger than capacity_bytes \(100\)"):
+        StepStore(10, 0)
+    store = StepStore(10, capacity_bytes=100)
+    with pytest.raises(ValueError, match=r"a step of 101 bytes is larger than capacity_bytes \(100\)"):
         store.add({"action": [b"x" * 101]})
     store.add({"action": [b"x"]})
     with pytest.raises(ValueError, match="columns"):

@@ -1,9 +1,9 @@
-"""Transitions in memory for a replay buffer: preallocated numpy columns, a ring of `capacity`
+"""Steps in memory for a replay buffer: preallocated numpy columns, a ring of `capacity`
 slots, the oldest removed first when the slots or `capacity_bytes` run out.
 
-Each transition gets a key, counting up from 0 in insertion order: its slot is the key modulo
-the capacity, and a key whose slot holds another key was removed. The columns take their shape
-and dtype from the first transition added (raw bytes: an object column).
+Each step gets a key, counting up from 0 in insertion order: its slot is the key modulo the
+capacity, and a key whose slot holds another key was removed. The columns take their shape and
+dtype from the first step added (raw bytes: an object column).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import numpy.typing as npt
 Keys = npt.NDArray[np.int64]
 
 
-class TransitionStore:
+class StepStore:
     def __init__(self, capacity: int, capacity_bytes: int | None = None) -> None:
         if capacity < 1:
-            raise ValueError(f"capacity must be at least 1 transition, not {capacity}")
+            raise ValueError(f"capacity must be at least 1 step, not {capacity}")
         if capacity_bytes is not None and capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be at least 1, not {capacity_bytes}")
         self.capacity = capacity
@@ -40,28 +40,27 @@ class TransitionStore:
         return self.next_key - self.count
 
     def add(self, rows: Mapping[str, Sequence[Any]]) -> tuple[Keys, Keys]:
-        """Add transitions (one value per column, per transition): their keys, and the keys of
-        the transitions removed to make room, oldest first (of a batch that does not fit, its
-        first transitions are among them)."""
+        """Add steps (one value per column, per step): their keys, and the keys of the steps
+        removed to make room, oldest first (of a batch that does not fit, its first steps are
+        among them)."""
         names = sorted(rows)
         if self._columns and names != sorted(self._columns):
-            raise ValueError(f"transitions have the columns {sorted(self._columns)}, not {names}")
+            raise ValueError(f"steps have the columns {sorted(self._columns)}, not {names}")
         lengths = {len(rows[name]) for name in names}
         if len(lengths) != 1:
-            raise ValueError("every column needs one value per transition")
+            raise ValueError("every column needs one value per step")
         (length,) = lengths
         if not length:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         sizes = np.array([sum(_size(rows[name][row]) for name in names) for row in range(length)], np.int64)
         if self.capacity_bytes is not None and sizes.max() > self.capacity_bytes:
             raise ValueError(
-                f"a transition of {int(sizes.max())} bytes is larger than "
-                f"capacity_bytes ({self.capacity_bytes})"
+                f"a step of {int(sizes.max())} bytes is larger than capacity_bytes ({self.capacity_bytes})"
             )
         if not self._columns:
             self._columns = {name: _column(rows[name][0], self.capacity) for name in names}
         # Of a batch that does not fit even alone, the first are removed as the later ones come:
-        # every stored transition too, since they are older.
+        # every stored step too, since they are older.
         kept = min(length, self.capacity)
         if self.capacity_bytes is not None:
             kept = min(kept, int(np.searchsorted(np.cumsum(sizes[::-1]), self.capacity_bytes, "right")))
@@ -90,7 +89,7 @@ class TransitionStore:
         return keys
 
     def _make_room(self, sizes: npt.NDArray[np.int64]) -> Keys:
-        """Remove the oldest transitions until `sizes` (at most `capacity` of them) fit: slots,
+        """Remove the oldest steps until `sizes` (at most `capacity` of them) fit: slots,
         and bytes if bounded."""
         remove = max(0, self.count + len(sizes) - self.capacity)
         if self.capacity_bytes is not None:
@@ -112,7 +111,7 @@ class TransitionStore:
         return self.remove_oldest(remove)
 
     def remove_oldest(self, count: int) -> Keys:
-        """Remove the `count` oldest transitions: their keys."""
+        """Remove the `count` oldest steps: their keys."""
         keys = np.arange(self.oldest_key, self.oldest_key + count, dtype=np.int64)
         slots = keys % self.capacity
         self.held_bytes -= int(self._sizes[slots].sum())
@@ -130,10 +129,10 @@ class TransitionStore:
         return present
 
     def slots(self, keys: npt.ArrayLike) -> npt.NDArray[np.int64]:
-        """The slots of stored transitions' keys (KeyError for a key removed or never added)."""
+        """The slots of stored steps' keys (KeyError for a key removed or never added)."""
         checked = np.asarray(keys, dtype=np.int64)
         if not np.all(self.present(checked)):
-            raise KeyError("keys of transitions no longer (or never) in the buffer")
+            raise KeyError("keys of steps no longer (or never) in the buffer")
         return checked % self.capacity
 
     def gather(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
