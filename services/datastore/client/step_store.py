@@ -135,6 +135,13 @@ class StepStore:
             raise KeyError("keys of steps no longer (or never) in the buffer")
         return checked % self.capacity
 
+    def column(self, name: str) -> npt.NDArray[Any]:
+        """A column's array, by slot (the buffer's own view: not a copy)."""
+        return self._columns[name]
+
+    def keys_at(self, slots: npt.NDArray[np.int64]) -> Keys:
+        return self._keys[slots]
+
     def gather(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
         """The columns' values at these slots (copies), and their keys."""
         gathered = {name: column[slots] for name, column in self._columns.items()}
