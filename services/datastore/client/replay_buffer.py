@@ -27,9 +27,12 @@ import numpy as np
 import numpy.typing as npt
 
 from services.datastore.client.rate_limiter import RateLimiter
+from services.datastore.client.replay_feed import ActorSelection, DatastoreFeed, Decoder
 from services.datastore.client.samplers import FifoSampler, PrioritizedSampler, Sampler, UniformSampler
 from services.datastore.client.step_store import Keys, StepStore
 from services.datastore.client.training import COLUMNS, Shift, shifts_of
+from shared.channel import ClientTls
+from shared.client import DEFAULT_TIMEOUT_S
 
 SamplerName = Literal["uniform", "prioritized", "fifo"]
 NO_KEY = -1
@@ -94,6 +97,49 @@ class ReplayBuffer:
         self._closed = False
         self._failure: BaseException | None = None
         self._waited_s = {"min_size": 0.0, "samples_per_insert": 0.0, "inserts": 0.0}
+        self._feed: DatastoreFeed | None = None
+
+    @classmethod
+    def from_datastore(
+        cls,
+        endpoint: str,
+        *,
+        capacity: int,
+        actor_classes: Sequence[str] = (),
+        actor_names: Sequence[str] = (),
+        actor_implementations: Sequence[str] = (),
+        trial_properties: Mapping[str, str] | None = None,
+        backfill: bool = False,
+        decode_observation: Decoder | None = None,
+        decode_action: Decoder | None = None,
+        tls: ClientTls | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **options: Any,
+    ) -> ReplayBuffer:
+        """A buffer fed by the datastore at `endpoint` (`grpc://host:port`, `grpcs://` over TLS):
+        the selected actors' steps of trials as they start (with `trial_properties`: those
+        having them), as their samples are committed; with `backfill`, first the latest stored
+        trials that fill the capacity (a learner that restarts gets its buffer back). `options`:
+        those of `ReplayBuffer`. `close()` stops the feed."""
+        buffer = cls(capacity, **options)
+        buffer._feed = DatastoreFeed(
+            buffer,
+            endpoint,
+            actors=ActorSelection(actor_classes, actor_names, actor_implementations),
+            trial_properties=trial_properties,
+            backfill=backfill,
+            decode_observation=decode_observation,
+            decode_action=decode_action,
+            timeout_s=timeout_s,
+            tls=tls,
+        )
+        buffer._feed.start()
+        return buffer
+
+    @property
+    def capacity(self) -> int:
+        """Steps held at most."""
+        return self._steps.capacity
 
     # ---- the training loop's side ----
 
@@ -162,9 +208,12 @@ class ReplayBuffer:
             }
 
     def close(self) -> None:
+        """Stop the feed, if any; calls after this raise."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+        if self._feed is not None:
+            self._feed.stop()
 
     def __enter__(self) -> ReplayBuffer:
         return self

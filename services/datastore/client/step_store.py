@@ -150,9 +150,11 @@ class StepStore:
 
 
 def _column(first: Any, capacity: int) -> npt.NDArray[Any]:
-    if isinstance(first, bytes | bytearray | memoryview) or first is None:
+    """A column for values like `first`: an object column for bytes, text (numpy's fixed-width
+    strings would cut longer ones) and None; else an array of its shape and dtype."""
+    value = None if first is None or isinstance(first, bytes | bytearray | memoryview) else np.asarray(first)
+    if value is None or value.dtype.kind in "USO":
         return np.empty(capacity, dtype=object)
-    value = np.asarray(first)
     return np.zeros((capacity, *value.shape), dtype=value.dtype)
 
 

@@ -1,0 +1,119 @@
+"""A replay buffer fed live by a real datastore: trials followed as they start, transitions as
+their samples are committed, the same ones `TrainingData` reads; backfill; failures surfaced."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from services.datastore.client.replay_buffer import ReplayBuffer
+from services.datastore.client.training import TrainingData
+from shared.api import common_pb2
+from shared.client import ClientError
+from tests.helpers.datastore import (
+    datalog_inputs,
+    datalog_sample,
+    run_datalog,
+    send_acknowledged,
+    trial_params,
+)
+from tests.helpers.fake_services import free_port
+from tests.helpers.running import RunningDatastore
+
+WAIT_S = 10.0
+
+
+def endpoint(d: RunningDatastore) -> str:
+    return f"grpc://127.0.0.1:{d.service.port}"
+
+
+async def transitions(buffer: ReplayBuffer, count: int) -> None:
+    """Until `buffer` holds `count` transitions."""
+    deadline = time.monotonic() + WAIT_S
+    while len(buffer) != count:
+        assert time.monotonic() < deadline, f"not in time: {buffer.stats()}"
+        await asyncio.sleep(0.02)
+
+
+def by_observation(batch: dict[str, np.ndarray]) -> list[tuple[object, ...]]:
+    return sorted(
+        zip(
+            batch["observations"].tolist(),
+            batch["next_observations"].tolist(),
+            batch["actions"].tolist(),
+            np.round(batch["rewards"], 4).tolist(),
+            batch["terminals"].tolist(),
+            batch["timeouts"].tolist(),
+            strict=True,
+        )
+    )
+
+
+async def test_trials_are_followed_as_they_run(datastore: RunningDatastore) -> None:
+    await run_datalog(datastore, "before", [datalog_sample(0), datalog_sample(1, common_pb2.ENDED)])
+    buffer = await asyncio.to_thread(
+        ReplayBuffer.from_datastore,
+        endpoint(datastore),
+        capacity=1000,
+        actor_names=["alice", "bob"],
+        decode_observation=bytes.decode,
+        sampler="fifo",
+    )
+    try:
+        live = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"),))
+        inputs = datalog_inputs(
+            trial_params(), [datalog_sample(tick, reward=0.5 + tick) for tick in range(3)]
+        )
+        await send_acknowledged(live, inputs)  # ticks 0 to 2: two transitions per actor
+        await transitions(buffer, 4)
+        # A late reward for tick 1, then the end: the trial's last transitions are terminal.
+        late = [datalog_sample(1, out_of_sync=True, reward=7.0), datalog_sample(3, common_pb2.ENDED)]
+        await send_acknowledged(live, datalog_inputs(trial_params(), late)[1:])
+        await live.done_writing()
+        await transitions(buffer, 6)
+        got = await asyncio.to_thread(buffer.sample, 6)
+        data = await asyncio.to_thread(
+            TrainingData.from_datastore,
+            endpoint(datastore),
+            ["live"],
+            actor_names=["alice", "bob"],
+            decode_observation=bytes.decode,
+        )
+        assert by_observation(got) == by_observation(data.d4rl())  # "before" was not followed
+        assert buffer.stats()["live_episodes"] == 0
+    finally:
+        await asyncio.to_thread(buffer.close)
+
+
+async def test_backfill_loads_the_latest_stored_trials(datastore: RunningDatastore) -> None:
+    for trial in range(3):
+        await run_datalog(datastore, f"t{trial}", [datalog_sample(tick) for tick in range(4)])
+    # Room for the steps of about two trials (2 actors x 4 ticks each): the latest two.
+    buffer = await asyncio.to_thread(
+        ReplayBuffer.from_datastore,
+        endpoint(datastore),
+        capacity=16,
+        actor_names=["alice", "bob"],
+        backfill=True,
+        decode_observation=bytes.decode,
+        sampler="fifo",
+    )
+    try:
+        await transitions(buffer, 12)
+        assert buffer.stats()["steps"] == 16
+    finally:
+        await asyncio.to_thread(buffer.close)
+
+
+async def test_a_datastore_that_cannot_be_reached_fails_the_next_sample() -> None:
+    buffer = await asyncio.to_thread(
+        ReplayBuffer.from_datastore, f"grpc://127.0.0.1:{free_port()}", capacity=10
+    )
+    try:
+        with pytest.raises(ClientError):
+            await asyncio.to_thread(buffer.sample, 1, 10.0)
+    finally:
+        await asyncio.to_thread(buffer.close)
