@@ -207,6 +207,12 @@ class ReplayBuffer:
                 "waited_s": dict(self._waited_s),
             }
 
+    def nbytes(self) -> int:
+        """Bytes of the arrays it holds: its steps' columns and keys, their links and flags (and
+        not the Python objects of undecoded bytes or text)."""
+        per_slot = (self._prev, self._next, self._final, self._ready)
+        return self._steps.nbytes() + sum(array.nbytes for array in per_slot)
+
     def close(self) -> None:
         """Stop the feed, if any; calls after this raise."""
         with self._changed:

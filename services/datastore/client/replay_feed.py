@@ -4,7 +4,7 @@ selected actors' steps with the Parquet dataset's conventions (docs/training-dat
 per actor and tick, a late reward added to the step of the tick it names, a trial's last step
 terminal if it ended.
 
-The feed runs in a thread of its own with its own event loop, so that the training loop's
+Feeds run on an event loop of their own in a thread of their own, so that the training loop's
 `sample()` stays synchronous; a failure (the datastore away, a decoder raising) is handed to the
 buffer, whose next call raises it.
 """
@@ -12,7 +12,6 @@ buffer, whose next call raises it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,21 @@ Decoder = Callable[[bytes], Any]
 FOLLOW_WAIT_MS = 10_000
 # Trials listed per page while looking for where the listing ends (or for backfill).
 PAGE_TRIALS = 1000
+
+_FEEDS_LOOP: asyncio.AbstractEventLoop | None = None
+_FEEDS_LOOP_LOCK = threading.Lock()
+
+
+def _feeds_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every feed of the process runs on, in a thread of its own, for the life of
+    the process. One loop, never closed: gRPC's asyncio support keeps calling into each loop it
+    served, and a loop closed under it prints "Event loop is closed" tracebacks."""
+    global _FEEDS_LOOP
+    with _FEEDS_LOOP_LOCK:
+        if _FEEDS_LOOP is None:
+            _FEEDS_LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_FEEDS_LOOP.run_forever, name="replay-feeds", daemon=True).start()
+        return _FEEDS_LOOP
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,7 @@ class _TrialSteps:
 
 
 class DatastoreFeed:
-    """Feeds `buffer` from the datastore at `endpoint`, in a thread of its own, until `stop`."""
+    """Feeds `buffer` from the datastore at `endpoint`, on the feeds' event loop, until `stop`."""
 
     def __init__(
         self,
@@ -155,29 +169,29 @@ class DatastoreFeed:
         self._actions = _Column(decode_action)
         self._timeout_s = timeout_s
         self._tls = tls
-        self._loop = asyncio.new_event_loop()
-        self._main: asyncio.Task[None] | None = None
-        self._thread = threading.Thread(target=self._run, name="replay-feed", daemon=True)
         self._started = threading.Event()
+        self._stopped = threading.Event()
+        self._main: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Once the trials to follow are known: every trial created from now on is fed."""
-        self._thread.start()
+        loop = _feeds_loop()
+        loop.call_soon_threadsafe(self._create)
         self._started.wait()
 
     def stop(self) -> None:
-        if self._main is not None:
-            with contextlib.suppress(RuntimeError):  # its loop closed: the feed had failed
-                self._loop.call_soon_threadsafe(self._main.cancel)
-        self._thread.join()
+        main = self._main
+        if main is not None:
+            main.get_loop().call_soon_threadsafe(main.cancel)
+            self._stopped.wait()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._main = self._loop.create_task(self._feed())
-        with contextlib.suppress(asyncio.CancelledError):
-            self._loop.run_until_complete(self._main)
+    def _create(self) -> None:
+        self._main = asyncio.get_running_loop().create_task(self._feed(), name="replay-feed")
+        self._main.add_done_callback(self._ended)
+
+    def _ended(self, _: asyncio.Task[None]) -> None:
         self._started.set()  # (a feed that failed before it started: its failure is the buffer's)
-        self._loop.close()
+        self._stopped.set()
 
     async def _feed(self) -> None:
         trials: set[asyncio.Task[None]] = set()

@@ -139,6 +139,10 @@ class StepStore:
         """A column's array, by slot (the buffer's own view: not a copy)."""
         return self._columns[name]
 
+    def nbytes(self) -> int:
+        """Bytes of its arrays (of an object column, its pointers: the values are Python objects)."""
+        return sum(array.nbytes for array in (*self._columns.values(), self._keys, self._sizes))
+
     def keys_at(self, slots: npt.NDArray[np.int64]) -> Keys:
         return self._keys[slots]
 
