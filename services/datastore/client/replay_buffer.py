@@ -366,15 +366,18 @@ class ReplayBuffer:
         return values, valid
 
     def _batch(self, slots: npt.NDArray[np.int64]) -> dict[str, npt.NDArray[Any]]:
+        # A ready transition's step and next step are stored: plain indexing, no masks.
         keys = self._steps.keys_at(slots)
-        next_keys = self._next[slots]
+        next_slots = self._next[slots] % self._steps.capacity
+        observations = self._steps.column("observation")
+        finals = self._final[next_slots]
         batch: dict[str, npt.NDArray[Any]] = {
-            "observations": self._column_at("observation", keys)[0],
-            "actions": self._column_at("action", keys)[0],
-            "rewards": self._column_at("reward", keys)[0],
-            "next_observations": self._column_at("observation", next_keys)[0],
-            "terminals": self._final[next_keys % self._steps.capacity] == ENDED,
-            "timeouts": self._final[next_keys % self._steps.capacity] == TRUNCATED,
+            "observations": observations[slots],
+            "actions": self._steps.column("action")[slots],
+            "rewards": self._steps.column("reward")[slots],
+            "next_observations": observations[next_slots],
+            "terminals": finals == ENDED,
+            "timeouts": finals == TRUNCATED,
             "keys": keys,
         }
         for name, (column, offsets, single) in self._views.items():
