@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from tests.helpers.datastore import (
     trial_params,
 )
 from tests.helpers.fake_services import free_port
-from tests.helpers.running import RunningDatastore
+from tests.helpers.running import RunningDatastore, make_datastore_factory
 
 WAIT_S = 10.0
 
@@ -117,3 +118,36 @@ async def test_a_datastore_that_cannot_be_reached_fails_the_next_sample() -> Non
             await asyncio.to_thread(buffer.sample, 1, 10.0)
     finally:
         await asyncio.to_thread(buffer.close)
+
+
+async def test_a_buffer_following_one_replica_gets_every_transition_another_ingests_once(
+    postgres_url: str,
+) -> None:
+    """Two replicas on one PostgreSQL: trials run through the first while the buffer follows the
+    second (the change feed carries their commits across); every transition arrives once."""
+    start = make_datastore_factory(postgres_url)
+    async with start() as ingesting, start() as followed:
+        buffer = await asyncio.to_thread(
+            ReplayBuffer.from_datastore, endpoint(followed), capacity=10_000, sampler="fifo"
+        )
+        try:
+
+            async def trial(number: int) -> None:
+                call = ingesting.datalog.RunTrialDatalog(metadata=(("trial-id", f"r{number}"),))
+                ticks = [datalog_sample(tick) for tick in range(20)] + [datalog_sample(20, common_pb2.ENDED)]
+                await send_acknowledged(call, datalog_inputs(trial_params(), ticks))
+                await call.done_writing()
+
+            await asyncio.gather(*map(trial, range(6)))
+            # 6 trials x 3 actors x 20 transitions, every one once.
+            await transitions(buffer, 360)
+            batch = await asyncio.to_thread(buffer.sample, 360)
+            assert batch["terminals"].sum() == 18 and not batch["timeouts"].any()
+            # Each tick's action of each actor, once per trial.
+            expected = Counter(
+                {f"act-{tick}-{actor}".encode(): 6 for tick in range(20) for actor in range(3)}
+            )
+            assert Counter(batch["actions"].tolist()) == expected
+            assert len(buffer) == 0  # a FIFO gives each once
+        finally:
+            await asyncio.to_thread(buffer.close)
