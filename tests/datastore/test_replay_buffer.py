@@ -3,6 +3,7 @@ episodes, fed step by step and interleaved; readiness, late rewards, capacity, t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -151,8 +152,8 @@ def test_samples_per_insert_holds_the_feed_back_until_sampled() -> None:
 def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="capacity"):
         ReplayBuffer(0)
-    with pytest.raises(ValueError, match="min_size"):
-        ReplayBuffer(4, min_size=5)
+    with pytest.raises(ValueError, match=r"min_size \(4\) must be less than the capacity \(4\)"):
+        ReplayBuffer(4, min_size=4)
     with pytest.raises(ValueError, match="unknown column 'obs'"):
         ReplayBuffer(4, views={"x": ("obs", 0)})
     with pytest.raises(ValueError, match="sampler"):
@@ -177,3 +178,43 @@ def test_prioritized_batches_follow_updated_priorities() -> None:
     # The rarest draws weigh most: weights are (N * P)^-beta over the batch's largest.
     assert batch["weights"][batch["keys"] == 0].max() < batch["weights"][batch["keys"] != 0].min()
     assert batch["weights"].max() == 1.0
+
+
+def test_a_fifo_under_min_size_takes_inserts_whatever_the_ratio() -> None:
+    """Its samples remove transitions: were inserts held by the ratio under min_size, the feed
+    and the sampler would wait for each other for ever."""
+    buffer = ReplayBuffer(100, sampler="fifo", min_size=4, samples_per_insert=2.0, error_buffer=2.0)
+    stop = threading.Event()
+
+    def feed() -> None:
+        position = 0
+        with contextlib.suppress(RuntimeError):  # closed: a waiting extend says so
+            while not stop.is_set():
+                buffer.extend("e", [observation(0, position)], [b"a"], [0.0])
+                position += 1
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        for _ in range(20):
+            assert len(buffer.sample(2, timeout_s=5)["keys"]) == 2
+    finally:
+        stop.set()
+        buffer.close()
+        feeder.join(5)
+
+
+def test_a_batch_larger_than_the_capacity_keeps_the_count_right() -> None:
+    buffer = ReplayBuffer(4, sampler="fifo")
+    buffer.extend("e", [observation(0, p) for p in range(4)], [b"a"] * 4, [0.0] * 4)
+    buffer.extend("e", [observation(0, p) for p in range(4, 10)], [b"a"] * 6, [0.0] * 6)
+    assert len(buffer) == 3  # steps 6 to 9 stored: 6, 7 and 8 are transitions
+    assert buffer.sample(3)["observations"][:, 1].tolist() == [6, 7, 8]
+
+
+def test_a_live_step_is_ready_once_its_views_can_see_ahead() -> None:
+    buffer = ReplayBuffer(100, sampler="fifo", views={"r": ("reward", [0, 1, 2])})
+    buffer.extend("e", [observation(0, p) for p in range(3)], [b"a"] * 3, [1.0, 2.0, 3.0])
+    assert len(buffer) == 1  # step 0 sees steps 1 and 2; step 1 waits for step 3
+    batch = buffer.sample(1)
+    assert batch["r"].tolist() == [[1.0, 2.0, 3.0]] and batch["r_valid"].all()

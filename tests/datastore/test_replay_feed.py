@@ -151,3 +151,24 @@ async def test_a_buffer_following_one_replica_gets_every_transition_another_inge
             assert len(buffer) == 0  # a FIFO gives each once
         finally:
             await asyncio.to_thread(buffer.close)
+
+
+async def test_a_buffer_held_back_by_its_ratio_holds_no_other_back(datastore: RunningDatastore) -> None:
+    """Feeds share one event loop: the held one waits for room off it."""
+    held = await asyncio.to_thread(
+        ReplayBuffer.from_datastore,
+        endpoint(datastore),
+        capacity=1000,
+        samples_per_insert=1.0,
+        error_buffer=1.0,
+    )
+    free = await asyncio.to_thread(ReplayBuffer.from_datastore, endpoint(datastore), capacity=1000)
+    try:
+        await run_datalog(datastore, "t", [datalog_sample(tick) for tick in range(20)])
+        await transitions(free, 3 * 19)
+        assert len(held) < 10 and held.stats()["inserts"] < 10  # nobody samples it
+        later = await asyncio.to_thread(ReplayBuffer.from_datastore, endpoint(datastore), capacity=10)
+        await asyncio.to_thread(later.close)  # starting and stopping a feed are not held either
+    finally:
+        await asyncio.to_thread(held.close)
+        await asyncio.to_thread(free.close)

@@ -68,7 +68,9 @@ class RateLimiter:
         return math.floor(high - self.samples_per_insert - low)
 
     def can_insert(self) -> bool:
-        if self.samples_per_insert is None:
+        # Up to min_size always (Reverb's rule): a FIFO's samples remove transitions, and a
+        # buffer under min_size whose ratio held inserts back would wait for ever.
+        if self.samples_per_insert is None or self.size < self.min_size:
             return True
         return self.diff + self.samples_per_insert <= self._bounds[1]
 

@@ -67,8 +67,11 @@ class ReplayBuffer:
         `capacity_bytes` of their data, the oldest removed first."""
         if n_step < 1:
             raise ValueError(f"n_step must be at least 1, not {n_step}")
-        if min_size > capacity:
-            raise ValueError(f"min_size ({min_size}) is more than the capacity ({capacity}): never reached")
+        if min_size >= capacity:
+            # An episode's last step is no transition: `capacity` steps hold fewer transitions.
+            raise ValueError(
+                f"min_size ({min_size}) must be less than the capacity ({capacity}) to be reached"
+            )
         self._views = {name: (column, *shifts_of(shift)) for name, (column, shift) in (views or {}).items()}
         for name, (column, _, _) in self._views.items():
             if column not in COLUMNS:
@@ -90,6 +93,9 @@ class ReplayBuffer:
             raise ValueError(f"sampler must be 'uniform', 'prioritized' or 'fifo', not {sampler!r}")
         self._limiter = RateLimiter(min_size, samples_per_insert, error_buffer)
         self._n_step = n_step
+        # A step is ready once the steps its n-step return and its views look ahead to came.
+        ahead = [max(offsets) for _, offsets, _ in self._views.values()]
+        self._window = max([n_step, *ahead])
         self._gamma = gamma
         self._rng = np.random.default_rng(seed)
         self._live: dict[Hashable, _LiveEpisode] = {}
@@ -235,11 +241,16 @@ class ReplayBuffer:
         observations: Sequence[Any],
         actions: Sequence[Any],
         rewards: Sequence[float],
+        *,
+        wait: bool = True,
     ) -> None:
         """Add an episode's next steps, in order. Waits while the rate limiter holds inserts
-        back (sampling makes room)."""
+        back (sampling makes room), unless `wait` is false (a caller that waited for room with
+        `wait_for_room`)."""
         with self._changed:
-            self._wait_to_insert()
+            if wait:
+                self.wait_for_room()
+            self._raise_if_over()
             live = self._live.setdefault(episode, _LiveEpisode())
             keys, removed = self._steps.add(
                 {
@@ -248,7 +259,7 @@ class ReplayBuffer:
                     "reward": [np.float32(reward) for reward in rewards],
                 }
             )
-            self._evicted(removed)
+            self._evicted(removed[removed < keys[0]])  # the others are this batch's, never stored
             previous = np.concatenate(([live.keys[-1] if live.keys else NO_KEY], keys[:-1]))
             live.keys.extend(int(key) for key in keys)
             # Of more steps than fit, the first were removed at once: only the stored ones link.
@@ -263,8 +274,8 @@ class ReplayBuffer:
             linked[linked] = self._steps.present(previous[linked])
             self._next[previous[linked] % self._steps.capacity] = keys[linked]
             live.pending.extend(int(key) for key in previous[linked])
-            # A step with a next step is ready once the n - 1 steps after its next one came.
-            ripe = [live.pending.popleft() for _ in range(len(live.pending) - (self._n_step - 1))]
+            # A step with a next step is ready once the window - 1 steps after its next one came.
+            ripe = [live.pending.popleft() for _ in range(len(live.pending) - (self._window - 1))]
             self._make_ready(np.array(ripe, dtype=np.int64))
 
     def add_late_reward(self, episode: Hashable, position: int, reward: float) -> None:
@@ -306,12 +317,18 @@ class ReplayBuffer:
         if self._closed:
             raise RuntimeError("the replay buffer is closed")
 
-    def _wait_to_insert(self) -> None:
-        started = time.monotonic()
-        while not self._limiter.can_insert() and not self._closed and self._failure is None:
-            self._changed.wait()
-        self._waited_s["inserts"] += time.monotonic() - started
-        self._raise_if_over()
+    def room(self) -> bool:
+        """Whether the rate limiter lets inserts through now."""
+        with self._changed:
+            return self._limiter.can_insert()
+
+    def wait_for_room(self) -> None:
+        """Until the rate limiter lets inserts through (or the buffer closed or failed)."""
+        with self._changed:
+            started = time.monotonic()
+            while not self._limiter.can_insert() and not self._closed and self._failure is None:
+                self._changed.wait()
+            self._waited_s["inserts"] += time.monotonic() - started
 
     def _make_ready(self, keys: Keys) -> None:
         if not keys.size:

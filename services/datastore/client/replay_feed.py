@@ -134,8 +134,13 @@ class _TrialSteps:
                     action = sample.payloads[actor.action]
                 if actor.HasField("reward"):
                     reward = actor.reward
+            # (The feed waited for room before the sample: its actors' steps go in together.)
             buffer.extend(
-                (self.trial_id, index), [observations.value(observation)], [actions.value(action)], [reward]
+                (self.trial_id, index),
+                [observations.value(observation)],
+                [actions.value(action)],
+                [reward],
+                wait=False,
             )
 
     def finish(self, buffer: ReplayBuffer) -> None:
@@ -237,6 +242,8 @@ class DatastoreFeed:
     def _trial_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
             self._failed(error)
+            if self._main is not None:
+                self._main.cancel()  # the buffer has failed: nothing more is fed
 
     def _failed(self, error: BaseException) -> None:
         """The training loop hears of it at its next call: the datastore away, a decoder raising."""
@@ -246,7 +253,8 @@ class DatastoreFeed:
 
     async def _start(self, client: DatastoreClient) -> tuple[str, list[trial_datastore_pb2.StoredTrialInfo]]:
         """Where the listing ends (trials created after it are followed), and the trials to
-        backfill: the latest stored ones whose selected actors' steps fill the capacity."""
+        backfill: the latest stored ones whose selected actors' steps fill the capacity. They are
+        read together: when they overshoot it, the oldest steps of each leave first."""
         handle = ""
         listed: list[trial_datastore_pb2.StoredTrialInfo] = []
         while True:
@@ -262,7 +270,7 @@ class DatastoreFeed:
                 break
             backlog.append(info)
             steps += info.samples_count * len(self._actors.indices(info.params))
-        return handle, backlog[::-1]  # the oldest first: the first to leave when the buffer is full
+        return handle, backlog[::-1]
 
     async def _trial(self, client: DatastoreClient, info: trial_datastore_pb2.StoredTrialInfo) -> None:
         actors = self._actors.indices(info.params)
@@ -273,6 +281,8 @@ class DatastoreFeed:
         call = client.stub.RetrieveSamples(request)
         try:
             async for reply in call:
+                if not self._buffer.room():  # waited for off the loop, which other feeds share
+                    await asyncio.to_thread(self._buffer.wait_for_room)
                 trial.add(self._buffer, reply.trial_sample, self._observations, self._actions)
         finally:
             call.cancel()
