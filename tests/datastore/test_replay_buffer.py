@@ -218,3 +218,10 @@ def test_a_live_step_is_ready_once_its_views_can_see_ahead() -> None:
     assert len(buffer) == 1  # step 0 sees steps 1 and 2; step 1 waits for step 3
     batch = buffer.sample(1)
     assert batch["r"].tolist() == [[1.0, 2.0, 3.0]] and batch["r_valid"].all()
+
+
+def test_an_episode_that_ends_is_terminal_as_its_last_transition_becomes_sampleable() -> None:
+    buffer = ReplayBuffer(100, sampler="fifo")
+    buffer.extend("e", [observation(0, 0)], [b"a"], [0.0])
+    buffer.extend("e", [observation(0, 1)], [b"a"], [0.0], ended=True)  # before finish comes
+    assert buffer.sample(1)["terminals"].tolist() == [True]

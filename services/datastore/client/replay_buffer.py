@@ -242,11 +242,13 @@ class ReplayBuffer:
         actions: Sequence[Any],
         rewards: Sequence[float],
         *,
+        ended: bool = False,
         wait: bool = True,
     ) -> None:
-        """Add an episode's next steps, in order. Waits while the rate limiter holds inserts
-        back (sampling makes room), unless `wait` is false (a caller that waited for room with
-        `wait_for_room`)."""
+        """Add an episode's next steps, in order; `ended`: the last of them ended the episode (its
+        transition is terminal from now on, in the same step as it becomes sampleable; `finish`
+        follows). Waits while the rate limiter holds inserts back (sampling makes room), unless
+        `wait` is false (a caller that waited for room with `wait_for_room`)."""
         with self._changed:
             if wait:
                 self.wait_for_room()
@@ -274,6 +276,8 @@ class ReplayBuffer:
             linked[linked] = self._steps.present(previous[linked])
             self._next[previous[linked] % self._steps.capacity] = keys[linked]
             live.pending.extend(int(key) for key in previous[linked])
+            if ended and len(keys):
+                self._final[slots[-1]] = ENDED
             # A step with a next step is ready once the window - 1 steps after its next one came.
             ripe = [live.pending.popleft() for _ in range(len(live.pending) - (self._window - 1))]
             self._make_ready(np.array(ripe, dtype=np.int64))

@@ -140,6 +140,7 @@ class _TrialSteps:
                 [observations.value(observation)],
                 [actions.value(action)],
                 [reward],
+                ended=sample.state == common_pb2.ENDED,
                 wait=False,
             )
 
