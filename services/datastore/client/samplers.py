@@ -9,8 +9,6 @@ ready transitions with their importance weights (1 but for the prioritized sampl
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 import numpy.typing as npt
 
@@ -22,20 +20,11 @@ Weights = npt.NDArray[np.float64]
 Ready = npt.NDArray[np.bool_]
 
 
-class Sampler(Protocol):
+class Sampler:
+    """Picks slots of ready transitions; told which keys became ready and which left (the
+    uniform and FIFO samplers need not know)."""
+
     # Whether a transition sampled leaves the buffer (a queue).
-    consumes: bool
-
-    def became_ready(self, keys: Keys) -> None: ...
-
-    def left(self, keys: Keys) -> None: ...
-
-    def sample(
-        self, store: StepStore, ready: Ready, ready_count: int, count: int, rng: np.random.Generator
-    ) -> tuple[Slots, Weights]: ...
-
-
-class UniformSampler:
     consumes = False
 
     def became_ready(self, keys: Keys) -> None:
@@ -44,6 +33,13 @@ class UniformSampler:
     def left(self, keys: Keys) -> None:
         pass
 
+    def sample(
+        self, store: StepStore, ready: Ready, ready_count: int, count: int, rng: np.random.Generator
+    ) -> tuple[Slots, Weights]:
+        raise NotImplementedError
+
+
+class UniformSampler(Sampler):
     def sample(
         self, store: StepStore, ready: Ready, ready_count: int, count: int, rng: np.random.Generator
     ) -> tuple[Slots, Weights]:
@@ -59,16 +55,10 @@ class UniformSampler:
         return slots, np.ones(count)
 
 
-class FifoSampler:
+class FifoSampler(Sampler):
     """The oldest ready transitions, each once: they leave the buffer as they are sampled."""
 
     consumes = True
-
-    def became_ready(self, keys: Keys) -> None:
-        pass
-
-    def left(self, keys: Keys) -> None:
-        pass
 
     def sample(
         self, store: StepStore, ready: Ready, ready_count: int, count: int, rng: np.random.Generator
@@ -78,12 +68,10 @@ class FifoSampler:
         return oldest, np.ones(len(oldest))
 
 
-class PrioritizedSampler:
+class PrioritizedSampler(Sampler):
     """Proportional prioritized replay: a transition is sampled with probability p^alpha / sum,
     weighted (N * P)^-beta / the batch's largest weight; a new transition gets the largest
     priority given so far (1 at first), so that each is sampled soon."""
-
-    consumes = False
 
     def __init__(self, capacity: int, alpha: float = 0.6, beta: float = 0.4) -> None:
         if not alpha >= 0:
