@@ -102,13 +102,16 @@ REPLY_BUDGET_BYTES = 4 * 1024 * 1024 - 16 * 1024
 _FIELD_OVERHEAD = 6
 
 
-def fitting_count(sizes: Iterable[int], budget: int = REPLY_BUDGET_BYTES) -> int:
-    """How many items of these encoded sizes, from the first, fit in one reply (at least one, so
-    that paging always moves on)."""
+def fitting_count(
+    sizes: Iterable[int], budget: int = REPLY_BUDGET_BYTES, overhead: int = _FIELD_OVERHEAD
+) -> int:
+    """How many items of these sizes, from the first, fit in the budget (at least one, so that
+    paging always moves on); `overhead`: what each adds beyond its size (by default, its field's
+    framing in one reply)."""
     total = 0
     count = 0
     for size in sizes:
-        total += size + _FIELD_OVERHEAD
+        total += size + overhead
         if total > budget:
             return max(count, 1)
         count += 1

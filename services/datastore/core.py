@@ -194,7 +194,7 @@ class TrialDatastore:
             sizes = await self.ride_out(
                 functools.partial(self.store.sample_sizes, seq, position, RANGE_MAX_COUNT)
             )
-            rows = _fitting_rows(sizes, RANGE_MAX_BYTES)
+            rows = fitting_count(sizes, RANGE_MAX_BYTES, overhead=0)
             if rows:
                 replayed = self._replayed(seq, position, sizes[:rows])
                 async with contextlib.aclosing(replayed):
@@ -269,7 +269,7 @@ class TrialDatastore:
                         sizes = await self.ride_out(
                             functools.partial(self.store.sample_sizes, seq, reader.next, READ_BATCH)
                         )
-                        rows = _fitting_rows(sizes, self.read_batch_bytes)
+                        rows = fitting_count(sizes, self.read_batch_bytes, overhead=0)
                         if rows:
                             replayed = self._replayed(seq, reader.next, sizes[:rows])
                             async with contextlib.aclosing(replayed):  # its room given back at once
@@ -314,16 +314,6 @@ class TrialDatastore:
                 held -= sent
         finally:
             self.replay_budget.release(held)
-
-
-def _fitting_rows(sizes: list[int], budget_bytes: int) -> int:
-    """How many of the first samples of these sizes fit the budget together (one at least)."""
-    total = 0
-    for rows, size in enumerate(sizes):
-        total += size
-        if total > budget_bytes:
-            return max(rows, 1)
-    return len(sizes)
 
 
 async def _at_once(read: Callable[[], Awaitable[R]]) -> R:
