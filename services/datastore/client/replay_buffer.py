@@ -43,7 +43,8 @@ RUNNING, ENDED, TRUNCATED = 0, 1, 2
 @dataclass
 class _LiveEpisode:
     keys: list[int] = field(default_factory=list)  # by position, for late rewards
-    pending: deque[int] = field(default_factory=deque)  # steps with a next step, not yet ready
+    # Steps with a next step, not yet ready (or removed since: dropped as they come up).
+    pending: deque[int] = field(default_factory=deque)
 
 
 class ReplayBuffer:
@@ -261,7 +262,7 @@ class ReplayBuffer:
                     "reward": [np.float32(reward) for reward in rewards],
                 }
             )
-            self._evicted(removed[removed < keys[0]])  # the others are this batch's, never stored
+            self._leave(removed[removed < keys[0]])  # the others are this batch's, never stored
             previous = np.concatenate(([live.keys[-1] if live.keys else NO_KEY], keys[:-1]))
             live.keys.extend(int(key) for key in keys)
             # Of more steps than fit, the first were removed at once: only the stored ones link.
@@ -278,9 +279,13 @@ class ReplayBuffer:
             live.pending.extend(int(key) for key in previous[linked])
             if ended and len(keys):
                 self._final[slots[-1]] = ENDED
-            # A step with a next step is ready once the window - 1 steps after its next one came.
-            ripe = [live.pending.popleft() for _ in range(len(live.pending) - (self._window - 1))]
-            self._make_ready(np.array(ripe, dtype=np.int64))
+            # A step with a next step is ready once the window - 1 steps after its next one came
+            # (those the capacity removed meanwhile leave the queue here).
+            ripe = np.array(
+                [live.pending.popleft() for _ in range(len(live.pending) - (self._window - 1))],
+                dtype=np.int64,
+            )
+            self._make_ready(ripe[self._steps.present(ripe)])
 
     def add_late_reward(self, episode: Hashable, position: int, reward: float) -> None:
         """Add a reward to the step at `position` of a live episode (a reward that came after
@@ -305,21 +310,12 @@ class ReplayBuffer:
                 self._final[last % self._steps.capacity] = ENDED if ended else TRUNCATED
             pending = np.array(live.pending, dtype=np.int64)
             self._make_ready(pending[self._steps.present(pending)])
-            self._changed.notify_all()
 
     def fail(self, error: BaseException) -> None:
         """The feed failed: the next call raises `error`."""
         with self._changed:
             self._failure = error
             self._changed.notify_all()
-
-    # ---- inside ----
-
-    def _raise_if_over(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise RuntimeError("the replay buffer is closed")
 
     def room(self) -> bool:
         """Whether the rate limiter lets inserts through now."""
@@ -333,6 +329,14 @@ class ReplayBuffer:
             while not self._limiter.can_insert() and not self._closed and self._failure is None:
                 self._changed.wait()
             self._waited_s["inserts"] += time.monotonic() - started
+
+    # ---- inside ----
+
+    def _raise_if_over(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise RuntimeError("the replay buffer is closed")
 
     def _make_ready(self, keys: Keys) -> None:
         if not keys.size:
@@ -354,27 +358,14 @@ class ReplayBuffer:
         self._sampler.left(leaving)
         self._limiter.removed(len(leaving))
 
-    def _evicted(self, removed: Keys) -> None:
-        self._leave(removed)
-        # The slots of removed keys are reused: their pending readiness goes with them.
-        gone = set(map(int, removed))
-        if gone:
-            for live in self._live.values():
-                while live.pending and live.pending[0] in gone:
-                    live.pending.popleft()
-
     def _shifted(self, keys: Keys, shift: int) -> Keys:
         """The keys `shift` steps from `keys` in their episodes (NO_KEY where there is none)."""
         links = self._next if shift > 0 else self._prev
         shifted = keys.copy()
         for _ in range(abs(shift)):
-            present = shifted != NO_KEY
-            present[present] = self._steps.present(shifted[present])
-            shifted[~present] = NO_KEY
-            shifted[present] = links[shifted[present] % self._steps.capacity]
-        present = shifted != NO_KEY
-        present[present] = self._steps.present(shifted[present])
-        shifted[~present] = NO_KEY
+            known = shifted != NO_KEY
+            shifted[known] = links[shifted[known] % self._steps.capacity]
+            shifted[~self._steps.present(shifted)] = NO_KEY  # NO_KEY is never present
         return shifted
 
     def _column_at(self, column: str, keys: Keys) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
