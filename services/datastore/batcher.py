@@ -59,7 +59,6 @@ class SampleBatcher:
         self._dependencies = dependencies or Dependencies([])
         self.max_stream_samples = max_stream_samples
         self.max_stream_bytes = max_stream_bytes
-        self.max_in_flight_bytes = max_in_flight_bytes
         self._in_flight = InFlightBytes(max_in_flight_bytes, MAX_RECEIVE_MESSAGE_BYTES)
         self._commit: GroupCommit[IngestionBuffer, SampleAppend] = GroupCommit(
             "sample-writer", self._write, max_items=max_samples, max_bytes=max_bytes, interval_s=interval_s

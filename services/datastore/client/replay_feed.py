@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from services.datastore.client.api import DatastoreClient
-from services.datastore.client.dataset import TickOrder, _late_rewards
+from services.datastore.client.dataset import TickOrder, _late_rewards, _payload
 from shared.api import common_pb2, trial_datastore_pb2
 from shared.channel import ClientTls
 from shared.client import DEFAULT_TIMEOUT_S, ClientError
@@ -128,10 +128,10 @@ class _TrialSteps:
             observation = action = None
             reward = 0.0
             if actor is not None:
-                if actor.HasField("observation") and actor.observation < len(sample.payloads):
-                    observation = sample.payloads[actor.observation]
-                if actor.HasField("action") and actor.action < len(sample.payloads):
-                    action = sample.payloads[actor.action]
+                if actor.HasField("observation"):
+                    observation = _payload(sample, actor.observation)
+                if actor.HasField("action"):
+                    action = _payload(sample, actor.action)
                 if actor.HasField("reward"):
                     reward = actor.reward
             # (The feed waited for room before the sample: its actors' steps go in together.)
