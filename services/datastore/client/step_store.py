@@ -39,7 +39,7 @@ class StepStore:
     def oldest_key(self) -> int:
         return self.next_key - self.count
 
-    def add(self, rows: Mapping[str, Sequence[Any]]) -> tuple[Keys, Keys]:
+    def add(self, rows: Mapping[str, Sequence[Any] | npt.NDArray[Any]]) -> tuple[Keys, Keys]:
         """Add steps (one value per column, per step): their keys, and the keys of the steps
         removed to make room, oldest first (of a batch that does not fit, its first steps are
         among them)."""
@@ -52,13 +52,14 @@ class StepStore:
         (length,) = lengths
         if not length:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        sizes = np.array([sum(_size(rows[name][row]) for name in names) for row in range(length)], np.int64)
+        if not self._columns:
+            self._columns = {name: _column(rows[name][0], self.capacity) for name in names}
+        values = {name: _values(name, self._columns[name], rows[name]) for name in names}
+        sizes = sum((_sizes(column) for column in values.values()), np.zeros(length, np.int64))
         if self.capacity_bytes is not None and sizes.max() > self.capacity_bytes:
             raise ValueError(
                 f"a step of {int(sizes.max())} bytes is larger than capacity_bytes ({self.capacity_bytes})"
             )
-        if not self._columns:
-            self._columns = {name: _column(rows[name][0], self.capacity) for name in names}
         # Of a batch that does not fit even alone, the first are removed as the later ones come:
         # every stored step too, since they are older.
         kept = min(length, self.capacity)
@@ -68,19 +69,17 @@ class StepStore:
             removed = self.remove_oldest(self.count)
             skipped = np.arange(self.next_key, self.next_key + length - kept, dtype=np.int64)
             self.next_key += length - kept
-            rows = {name: rows[name][length - kept :] for name in names}
-            keys = self._add_chunk(rows, sizes[length - kept :])
+            values = {name: column[length - kept :] for name, column in values.items()}
+            keys = self._add_chunk(values, sizes[length - kept :])
             return np.concatenate((skipped, keys)), np.concatenate((removed, skipped))
         removed = self._make_room(sizes)
-        return self._add_chunk(rows, sizes), removed
+        return self._add_chunk(values, sizes), removed
 
-    def _add_chunk(self, rows: Mapping[str, Sequence[Any]], sizes: npt.NDArray[np.int64]) -> Keys:
+    def _add_chunk(self, values: Mapping[str, npt.NDArray[Any]], sizes: npt.NDArray[np.int64]) -> Keys:
         keys = np.arange(self.next_key, self.next_key + len(sizes), dtype=np.int64)
         slots = keys % self.capacity
-        for name, values in rows.items():
-            column = self._columns[name]
-            for slot, value in zip(slots, values, strict=True):
-                column[slot] = value
+        for name, column in values.items():
+            self._columns[name][slots] = column
         self._keys[slots] = keys
         self._sizes[slots] = sizes
         self.held_bytes += int(sizes.sum())
@@ -112,6 +111,8 @@ class StepStore:
 
     def remove_oldest(self, count: int) -> Keys:
         """Remove the `count` oldest steps: their keys."""
+        if not count:
+            return np.zeros(0, np.int64)
         keys = np.arange(self.oldest_key, self.oldest_key + count, dtype=np.int64)
         slots = keys % self.capacity
         self.held_bytes -= int(self._sizes[slots].sum())
@@ -160,6 +161,34 @@ def _column(first: Any, capacity: int) -> npt.NDArray[Any]:
     if value is None or value.dtype.kind in "USO":
         return np.empty(capacity, dtype=object)
     return np.zeros((capacity, *value.shape), dtype=value.dtype)
+
+
+def _values(
+    name: str, column: npt.NDArray[Any], values: Sequence[Any] | npt.NDArray[Any]
+) -> npt.NDArray[Any]:
+    """`values` as an array to store in `column`: one conversion for numbers, not one per step."""
+    if column.dtype == object:
+        converted = np.empty(len(values), dtype=object)
+        for row, value in enumerate(values):  # (assigned whole: numpy would unpack sequences)
+            converted[row] = value
+        return converted
+    try:
+        converted = np.asarray(values, dtype=column.dtype)
+    except (TypeError, ValueError) as error:
+        first = f"{column.dtype}, shape {column.shape[1:]}"
+        raise ValueError(f"{name}: values unlike the first step's ({first}): {error}") from error
+    if converted.shape[1:] != column.shape[1:]:
+        raise ValueError(
+            f"{name}: values of shape {converted.shape[1:]}, the first step's {column.shape[1:]}"
+        )
+    return converted
+
+
+def _sizes(values: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    """Each step's bytes in a column's values (of an object column, its bytes)."""
+    if values.dtype == object:
+        return np.fromiter((_size(value) for value in values), np.int64, len(values))
+    return np.full(len(values), values[0].nbytes if len(values) else 0, np.int64)
 
 
 def _size(value: Any) -> int:
