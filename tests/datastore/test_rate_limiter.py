@@ -39,11 +39,12 @@ def test_the_ratio_stays_within_its_error_buffer(
         held = limiter.why_held(batch)
         # Never both waiting: a sample of one can go whenever an insert cannot.
         assert limiter.can_insert() or limiter.why_held(1) is None
-        if insert and limiter.can_insert():
-            under_min_size = limiter.size < limiter.min_size
-            limiter.inserted()
-            # Under min_size an insert always goes (Reverb's rule): past the ratio only then.
-            assert under_min_size or limiter.diff <= high + 1e-9
+        room = limiter.insert_room()
+        assert room is not None and (room > 0) == limiter.can_insert()
+        if insert and room:
+            limiter.inserted(1 + size % room)  # as many as the room, at most
+            # Under min_size inserts always go (Reverb's rule): past the ratio only up to it.
+            assert limiter.size <= limiter.min_size or limiter.diff <= high + 1e-9
         elif held is None:
             assert limiter.size >= limiter.min_size
             limiter.sampled(batch)

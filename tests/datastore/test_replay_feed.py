@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from services.datastore.client import replay_feed
+from services.datastore.client.api import DatastoreClient
 from services.datastore.client.replay_buffer import ReplayBuffer
 from services.datastore.client.training import TrainingData
 from shared.api import common_pb2
@@ -111,6 +115,71 @@ async def test_backfill_loads_the_latest_stored_trials(datastore: RunningDatasto
         assert buffer.stats()["steps"] == 16
     finally:
         await asyncio.to_thread(buffer.close)
+
+
+async def test_backfill_reads_closed_trials_in_ranges_as_training_data_reads_them(
+    datastore: RunningDatastore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranges of 3 samples: late rewards fold into steps of an earlier range, of the same one, of
+    a step not stored yet; an ended trial's last transitions are terminal, an interrupted one's
+    timeouts; and the reads were ranges, not streams."""
+    monkeypatch.setattr(replay_feed, "RANGE_SAMPLES", 3)
+    ranges: list[str] = []
+    read_range = DatastoreClient.sample_range
+
+    async def counted(client: DatastoreClient, trial_id: str, *args: Any, **kwargs: Any) -> Any:
+        ranges.append(trial_id)
+        return await read_range(client, trial_id, *args, **kwargs)
+
+    monkeypatch.setattr(DatastoreClient, "sample_range", counted)
+    ticks = [datalog_sample(tick, reward=float(tick)) for tick in range(6)]
+    late = [datalog_sample(tick, out_of_sync=True, reward=10.0 * tick) for tick in (0, 5, 4)]
+    await run_datalog(
+        datastore, "ended", [*ticks[:3], late[0], *ticks[3:], *late[1:], datalog_sample(6, common_pb2.ENDED)]
+    )
+    await run_datalog(datastore, "interrupted", [*ticks[:5], late[2]])
+    buffer = await asyncio.to_thread(
+        ReplayBuffer.from_datastore,
+        endpoint(datastore),
+        capacity=1000,
+        actor_names=["alice", "bob"],
+        backfill=True,
+        decode_observation=bytes.decode,
+        sampler="fifo",
+    )
+    try:
+        await transitions(buffer, 2 * 6 + 2 * 4)
+        got = await asyncio.to_thread(buffer.sample, 20)
+        data = await asyncio.to_thread(
+            TrainingData.from_datastore,
+            endpoint(datastore),
+            ["ended", "interrupted"],
+            actor_names=["alice", "bob"],
+            decode_observation=bytes.decode,
+        )
+        assert by_observation(got) == by_observation(data.d4rl())
+        assert got["terminals"].sum() == 2 and got["timeouts"].sum() == 2
+        assert set(ranges) == {"ended", "interrupted"} and len(ranges) == 4 + 2  # 10 and 6 samples
+    finally:
+        await asyncio.to_thread(buffer.close)
+
+
+async def test_batches_gather_what_comes_within_the_linger_in_order_and_raise_failures() -> None:
+    async def replies(count: int, failure: Exception | None = None) -> AsyncIterator[int]:
+        for reply in range(count):
+            yield reply
+        if failure is not None:
+            raise failure
+
+    got = []
+    async for batch in replay_feed._batches(replies(10), 4, 0.01):
+        got.append(batch)  # those that came within 10 ms: all there are, four at most
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    before_failure = []
+    with pytest.raises(ValueError, match="gone"):
+        async for batch in replay_feed._batches(replies(3, ValueError("gone")), 4, 0.0):
+            before_failure.extend(batch)
+    assert before_failure == [0, 1, 2]
 
 
 async def test_a_datastore_that_cannot_be_reached_fails_the_next_sample() -> None:

@@ -68,11 +68,16 @@ class RateLimiter:
         return math.floor(high - self.samples_per_insert - low)
 
     def can_insert(self) -> bool:
+        return self.insert_room() != 0
+
+    def insert_room(self) -> int | None:
+        """How many inserts may come now (None: any number)."""
+        if self.samples_per_insert is None:
+            return None
         # Up to min_size always (Reverb's rule): a FIFO's samples remove transitions, and a
         # buffer under min_size whose ratio held inserts back would wait for ever.
-        if self.samples_per_insert is None or self.size < self.min_size:
-            return True
-        return self.diff + self.samples_per_insert <= self._bounds[1]
+        ratio = math.floor((self._bounds[1] - self.diff) / self.samples_per_insert)
+        return max(0, ratio, self.min_size - self.size)
 
     def why_held(self, count: int) -> str | None:
         """Why a sample of `count` must wait: "min_size" or "samples_per_insert" (None: it

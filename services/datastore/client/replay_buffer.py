@@ -259,7 +259,7 @@ class ReplayBuffer:
                 {
                     "observation": list(observations),
                     "action": list(actions),
-                    "reward": [np.float32(reward) for reward in rewards],
+                    "reward": np.asarray(rewards, dtype=np.float32),
                 }
             )
             self._leave(removed[removed < keys[0]])  # the others are this batch's, never stored
@@ -317,10 +317,10 @@ class ReplayBuffer:
             self._failure = error
             self._changed.notify_all()
 
-    def room(self) -> bool:
-        """Whether the rate limiter lets inserts through now."""
+    def insert_room(self) -> int | None:
+        """How many transitions the rate limiter lets in now (None: any number)."""
         with self._changed:
-            return self._limiter.can_insert()
+            return self._limiter.insert_room()
 
     def wait_for_room(self) -> None:
         """Until the rate limiter lets inserts through (or the buffer closed or failed)."""

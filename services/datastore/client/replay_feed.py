@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -30,6 +30,15 @@ if TYPE_CHECKING:
     from services.datastore.client.replay_buffer import ReplayBuffer
 
 Decoder = Callable[[bytes], Any]
+T = TypeVar("T")
+# Samples turned into steps together at most: one `extend` per actor for all of them.
+BATCH_SAMPLES = 256
+# What a sample without an actor's sample gives it: no observation, no action, no reward.
+_NO_ACTOR_SAMPLE = trial_datastore_pb2.StoredTrialActorSample()
+# How long a sample streamed waits for others to be turned into steps with it: the lag it adds.
+LINGER_S = 0.005
+# Samples asked for per RetrieveSampleRange (the datastore answers up to 2 MiB of them).
+RANGE_SAMPLES = 1000
 # How long one RetrieveTrials waits for the next trial (the datastore answers as soon as one comes).
 FOLLOW_WAIT_MS = 10_000
 # Trials listed per page while looking for where the listing ends (or for backfill).
@@ -84,17 +93,18 @@ class _Column:
     decode: Decoder | None
     blank: Any = None
 
-    def value(self, raw: bytes | None) -> Any:
+    def values(self, raws: list[bytes | None]) -> list[Any]:
         if self.decode is None:
-            return raw
-        if raw is None:
-            if self.blank is None:
-                raise ValueError("a step without a value came before any value: its shape is unknown")
-            return self.blank
-        decoded = self.decode(raw)
+            return raws
+        decoded = [None if raw is None else self.decode(raw) for raw in raws]
         if self.blank is None:
-            self.blank = np.zeros_like(np.asarray(decoded))
-        return decoded
+            first = next((value for value in decoded if value is not None), None)
+            if first is None:
+                if decoded:
+                    raise ValueError("steps without a value came before any value: their shape is unknown")
+                return decoded
+            self.blank = np.zeros_like(np.asarray(first))
+        return [self.blank if value is None else value for value in decoded]
 
 
 @dataclass
@@ -110,37 +120,49 @@ class _TrialSteps:
     def add(
         self,
         buffer: ReplayBuffer,
-        sample: trial_datastore_pb2.StoredTrialSample,
+        samples: Sequence[trial_datastore_pb2.StoredTrialSample],
         observations: _Column,
         actions: _Column,
     ) -> None:
-        if self.order.is_late(sample):
-            position = self.positions.get(sample.tick_id)
-            for index, reward, _ in _late_rewards(sample):
-                if position is not None and reward is not None and index in self.actors:
-                    buffer.add_late_reward((self.trial_id, index), position, reward)
+        """Samples in stored order: one `extend` per actor for their new ticks (whose costs are
+        per call more than per step), a late reward added to its step, still here or stored."""
+        first = len(self.positions)
+        raw_observations: dict[int, list[bytes | None]] = {index: [] for index in self.actors}
+        raw_actions: dict[int, list[bytes | None]] = {index: [] for index in self.actors}
+        rewards: dict[int, list[float]] = {index: [] for index in self.actors}
+        for sample in samples:
+            if self.order.is_late(sample):
+                position = self.positions.get(sample.tick_id)
+                for index, reward, _ in _late_rewards(sample):
+                    if position is None or reward is None or index not in rewards:
+                        continue
+                    if position >= first:
+                        rewards[index][position - first] += reward
+                    else:
+                        buffer.add_late_reward((self.trial_id, index), position, reward)
+                continue
+            self.positions[sample.tick_id] = len(self.positions)
+            self.last_state = sample.state
+            by_index = {actor.actor: actor for actor in sample.actor_samples}
+            for index in self.actors:
+                actor = by_index.get(index, _NO_ACTOR_SAMPLE)
+                raw_observations[index].append(
+                    _payload(sample, actor.observation) if actor.HasField("observation") else None
+                )
+                raw_actions[index].append(
+                    _payload(sample, actor.action) if actor.HasField("action") else None
+                )
+                rewards[index].append(actor.reward if actor.HasField("reward") else 0.0)
+        if len(self.positions) == first:
             return
-        self.positions[sample.tick_id] = len(self.positions)
-        self.last_state = sample.state
-        by_index = {actor.actor: actor for actor in sample.actor_samples}
         for index in self.actors:
-            actor = by_index.get(index)
-            observation = action = None
-            reward = 0.0
-            if actor is not None:
-                if actor.HasField("observation"):
-                    observation = _payload(sample, actor.observation)
-                if actor.HasField("action"):
-                    action = _payload(sample, actor.action)
-                if actor.HasField("reward"):
-                    reward = actor.reward
-            # (The feed waited for room before the sample: its actors' steps go in together.)
+            # (The feed waited for room before the samples: their steps go in together.)
             buffer.extend(
                 (self.trial_id, index),
-                [observations.value(observation)],
-                [actions.value(action)],
-                [reward],
-                ended=sample.state == common_pb2.ENDED,
+                observations.values(raw_observations[index]),
+                actions.values(raw_actions[index]),
+                rewards[index],
+                ended=self.last_state == common_pb2.ENDED,
                 wait=False,
             )
 
@@ -148,6 +170,51 @@ class _TrialSteps:
         """The trial's samples are all in: its last step is terminal if it ended."""
         for index in self.actors:
             buffer.finish((self.trial_id, index), ended=self.last_state == common_pb2.ENDED)
+
+
+class _End:
+    """What `_batches`' reader leaves last: the replies ended, or failed with `error`."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+async def _batches(replies: AsyncIterable[T], most: int, linger_s: float) -> AsyncIterator[list[T]]:
+    """`replies` in lists: those that came within `linger_s` of the first of each (`most` at
+    most, and held), so that the consumer's costs per call are shared by many replies. (A
+    stream's replies come one read at a time: while the consumer works, none come.)"""
+    queue: asyncio.Queue[T | _End] = asyncio.Queue(most)
+
+    async def read() -> None:
+        try:
+            async for reply in replies:
+                await queue.put(reply)
+        except Exception as error:
+            await queue.put(_End(error))
+        else:
+            await queue.put(_End(None))
+
+    reader = asyncio.create_task(read())
+    try:
+        while True:
+            batch = [await queue.get()]
+            if not isinstance(batch[0], _End):
+                await asyncio.sleep(linger_s)
+            while len(batch) < most and not queue.empty() and not isinstance(batch[-1], _End):
+                batch.append(queue.get_nowait())
+            last = batch[-1]
+            end = last if isinstance(last, _End) else None
+            if end is not None:
+                batch.pop()
+            if batch:
+                yield cast(list[T], batch)
+            if end is not None:
+                if end.error is not None:
+                    raise end.error
+                return
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 class DatastoreFeed:
@@ -203,10 +270,10 @@ class DatastoreFeed:
         trials: set[asyncio.Task[None]] = set()
         try:
             async with DatastoreClient(self._endpoint, self._timeout_s, self._tls) as client:
-                handle, backlog = await self._start(client)
+                handle, backlog, closed = await self._start(client)
                 self._started.set()
                 for info in backlog:
-                    self._follow(trials, client, info)
+                    self._follow(trials, client, info, closed=info.trial_id in closed)
                 while True:
                     reply = await client.stub.RetrieveTrials(
                         trial_datastore_pb2.RetrieveTrialsRequest(
@@ -234,8 +301,10 @@ class DatastoreFeed:
         trials: set[asyncio.Task[None]],
         client: DatastoreClient,
         info: trial_datastore_pb2.StoredTrialInfo,
+        *,
+        closed: bool = False,
     ) -> None:
-        task = asyncio.create_task(self._trial(client, info), name=f"replay-{info.trial_id}")
+        task = asyncio.create_task(self._trial(client, info, closed), name=f"replay-{info.trial_id}")
         trials.add(task)
         task.add_done_callback(trials.discard)
         task.add_done_callback(self._trial_done)
@@ -252,10 +321,13 @@ class DatastoreFeed:
             error = ClientError(f"the replay feed stopped: {error.code().name}: {error.details()}")
         self._buffer.fail(error)
 
-    async def _start(self, client: DatastoreClient) -> tuple[str, list[trial_datastore_pb2.StoredTrialInfo]]:
-        """Where the listing ends (trials created after it are followed), and the trials to
-        backfill: the latest stored ones whose selected actors' steps fill the capacity. They are
-        read together: when they overshoot it, the oldest steps of each leave first."""
+    async def _start(
+        self, client: DatastoreClient
+    ) -> tuple[str, list[trial_datastore_pb2.StoredTrialInfo], set[str]]:
+        """Where the listing ends (trials created after it are followed); the trials to
+        backfill: the latest stored ones whose selected actors' steps fill the capacity (read
+        together: when they overshoot it, the oldest steps of each leave first); and which of
+        those are closed (no sample is coming: they can be read in ranges)."""
         handle = ""
         listed: list[trial_datastore_pb2.StoredTrialInfo] = []
         while True:
@@ -271,20 +343,48 @@ class DatastoreFeed:
                 break
             backlog.append(info)
             steps += info.samples_count * len(self._actors.indices(info.params))
-        return handle, backlog[::-1]
+        statuses = await client.trial_statuses([info.trial_id for info in backlog]) if backlog else None
+        closed = {trial_id for trial_id, status in (statuses or {}).items() if status.closed}
+        return handle, backlog[::-1], closed
 
-    async def _trial(self, client: DatastoreClient, info: trial_datastore_pb2.StoredTrialInfo) -> None:
+    async def _trial(
+        self, client: DatastoreClient, info: trial_datastore_pb2.StoredTrialInfo, closed: bool
+    ) -> None:
         actors = self._actors.indices(info.params)
         if not actors:
             return
         trial = _TrialSteps(info.trial_id, actors, info.last_state)
-        request = trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=[info.trial_id])
-        call = client.stub.RetrieveSamples(request)
-        try:
-            async for reply in call:
-                if not self._buffer.room():  # waited for off the loop, which other feeds share
+        async for samples in self._samples(client, info.trial_id, closed):
+            while samples:
+                room = self._buffer.insert_room()
+                if room == 0:  # waited for off the loop, which other feeds share
                     await asyncio.to_thread(self._buffer.wait_for_room)
-                trial.add(self._buffer, reply.trial_sample, self._observations, self._actions)
+                    room = self._buffer.insert_room()
+                # Within the ratio's room: a sample's actors go in together, one sample at least.
+                count = len(samples) if room is None else max(1, room // len(actors))
+                trial.add(self._buffer, samples[:count], self._observations, self._actions)
+                samples = samples[count:]
+        trial.finish(self._buffer)
+
+    async def _samples(
+        self, client: DatastoreClient, trial_id: str, closed: bool
+    ) -> AsyncIterator[Sequence[trial_datastore_pb2.StoredTrialSample]]:
+        """The trial's samples in stored order, in lists. A closed trial's in ranges of up to
+        `RANGE_SAMPLES` (`RetrieveSampleRange`: a reply costs about what one sample of a stream
+        does); the others as they are committed (`RetrieveSamples`), and those of a datastore
+        that serves no ranges (the reference's)."""
+        if closed:
+            first = 0
+            while (reply := await client.sample_range(trial_id, first, RANGE_SAMPLES)) is not None:
+                if reply.samples:
+                    yield reply.samples
+                first = reply.first + len(reply.samples)
+                if not reply.samples or first >= reply.samples_count:
+                    return
+            # (None: the first call, since a datastore serves ranges or not.)
+        call = client.stub.RetrieveSamples(trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=[trial_id]))
+        try:
+            async for replies in _batches(call, BATCH_SAMPLES, LINGER_S):
+                yield [reply.trial_sample for reply in replies]
         finally:
             call.cancel()
-        trial.finish(self._buffer)
