@@ -7,16 +7,17 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from services.datastore.client import replay_feed
+from services.datastore.client import replay_buffer, replay_feed
 from services.datastore.client.api import DatastoreClient
 from services.datastore.client.replay_buffer import ReplayBuffer
 from services.datastore.client.training import TrainingData
-from shared.api import common_pb2
+from shared.api import common_pb2, directory_pb2
 from shared.client import ClientError
 from tests.helpers.datastore import (
     datalog_inputs,
@@ -25,8 +26,16 @@ from tests.helpers.datastore import (
     send_acknowledged,
     trial_params,
 )
+from tests.helpers.directory import register_ok
+from tests.helpers.directory import request as register_request
 from tests.helpers.fake_services import free_port
-from tests.helpers.running import RunningDatastore, make_datastore_factory
+from tests.helpers.running import (
+    DatastoreFactory,
+    RunningDatastore,
+    RunningDirectory,
+    make_datastore_factory,
+    make_directory_factory,
+)
 
 WAIT_S = 10.0
 
@@ -41,6 +50,13 @@ async def transitions(buffer: ReplayBuffer, count: int) -> None:
     while len(buffer) != count:
         assert time.monotonic() < deadline, f"not in time: {buffer.stats()}"
         await asyncio.sleep(0.02)
+
+
+async def directory_entries(directory: RunningDirectory) -> list[directory_pb2.FullServiceData]:
+    inquiry = directory_pb2.InquireRequest(
+        details=directory_pb2.ServiceDetails(type=directory_pb2.DATASTORE_SERVICE)
+    )
+    return [reply.data async for reply in directory.stub.Inquire(inquiry)]
 
 
 def by_observation(batch: dict[str, np.ndarray]) -> list[tuple[object, ...]]:
@@ -245,3 +261,92 @@ async def test_a_buffer_held_back_by_its_ratio_holds_no_other_back(datastore: Ru
     finally:
         await asyncio.to_thread(held.close)
         await asyncio.to_thread(free.close)
+
+
+async def test_replicas_found_through_the_directory_are_followed_and_a_read_fails_over(
+    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas on one PostgreSQL: the buffer finds the first through the directory, then the
+    second once it is listed; the replica it reads a live trial from stops mid-trial, and the
+    read goes on from the other where it stopped: every transition once."""
+    monkeypatch.setattr(replay_buffer, "DISCOVERY_REFRESH_S", 0.2)
+    start = make_datastore_factory(postgres_url)
+    directory_start = make_directory_factory(f"sqlite+aiosqlite:///{tmp_path / 'directory.db'}")
+    async with directory_start("--health_check_interval", "0.2") as directory, start() as ingesting:
+        registered = (
+            "--directory_endpoint",
+            f"grpc://{directory.address}",
+            "--directory_registration_host",
+            "127.0.0.1",
+        )
+        first = start(*registered, "--shutdown_grace", "0.2")
+        await first.__aenter__()
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while not await directory_entries(directory):
+                assert time.monotonic() < deadline, "the first replica never registered"
+                await asyncio.sleep(0.05)
+            buffer = await asyncio.to_thread(
+                ReplayBuffer.from_datastore,
+                "cogment://discover/datastore",
+                directory=f"grpc://{directory.address}",
+                capacity=1000,
+                sampler="fifo",
+                timeout_s=20,
+            )
+        except BaseException:
+            await first.__aexit__(None, None, None)
+            raise
+        try:
+            call = ingesting.datalog.RunTrialDatalog(metadata=(("trial-id", "moved"),))
+            # Bob is given 1 at each tick: a sample read twice would count as a late reward.
+            ticks = [datalog_sample(tick, reward=1.0) for tick in range(20)]
+            inputs = datalog_inputs(trial_params(), [*ticks, datalog_sample(20, common_pb2.ENDED)])
+            await send_acknowledged(call, inputs[:11])  # ticks 0 to 9, read from the first replica
+            await transitions(buffer, 3 * 9)
+            # The ingesting replica is listed too, and followed; then the first one stops.
+            await register_ok(
+                directory,
+                register_request(
+                    directory_pb2.DATASTORE_SERVICE,
+                    host="127.0.0.1",
+                    port=ingesting.service.port,
+                    protocol=directory_pb2.ServiceEndpoint.GRPC,
+                    permanent=True,
+                ),
+            )
+            await asyncio.sleep(1.0)
+            await first.__aexit__(None, None, None)
+            await send_acknowledged(call, inputs[11:])
+            await call.done_writing()
+            await transitions(buffer, 3 * 20)
+            batch = await asyncio.to_thread(buffer.sample, 60)
+            assert batch["terminals"].sum() == 3 and batch["rewards"].sum() == 20
+            assert Counter(batch["actions"].tolist()) == Counter(
+                {f"act-{tick}-{actor}".encode(): 1 for tick in range(20) for actor in range(3)}
+            )
+        finally:
+            await asyncio.to_thread(buffer.close)
+
+
+async def test_a_datastore_away_longer_than_the_timeout_fails_the_next_sample(
+    datastore_factory: DatastoreFactory,
+) -> None:
+    async with datastore_factory("--shutdown_grace", "0.2") as datastore:
+        buffer = await asyncio.to_thread(
+            ReplayBuffer.from_datastore, endpoint(datastore), capacity=100, timeout_s=1.0
+        )
+    try:  # the datastore has stopped: the follower tries again for a second, then gives up
+        with pytest.raises(ClientError, match="the replay feed stopped: UNAVAILABLE"):
+            await asyncio.to_thread(buffer.sample, 1, 10.0)
+    finally:
+        await asyncio.to_thread(buffer.close)
+
+
+def test_bad_discovery_is_named() -> None:
+    with pytest.raises(
+        ValueError, match=r"directory: cogment://discover/datastore is found through a directory"
+    ):
+        ReplayBuffer.from_datastore("cogment://discover/datastore", capacity=10)
+    with pytest.raises(ValueError, match=r"invalid discovery URL \[cogment://discover/actor\]"):
+        ReplayBuffer.from_datastore("cogment://discover/actor", directory="grpc://127.0.0.1:1", capacity=10)

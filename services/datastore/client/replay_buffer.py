@@ -26,8 +26,10 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from services.datastore.client.discovery import DISCOVERY_REFRESH_S, datastore_endpoints, is_discovery
 from services.datastore.client.rate_limiter import RateLimiter
-from services.datastore.client.replay_feed import ActorSelection, DatastoreFeed, Decoder
+from services.datastore.client.replay_feed import DatastoreFeed
+from services.datastore.client.replay_steps import ActorSelection, Decoder
 from services.datastore.client.samplers import FifoSampler, PrioritizedSampler, Sampler, UniformSampler
 from services.datastore.client.step_store import Keys, StepStore
 from services.datastore.client.training import COLUMNS, Shift, shifts_of
@@ -119,19 +121,28 @@ class ReplayBuffer:
         backfill: bool = False,
         decode_observation: Decoder | None = None,
         decode_action: Decoder | None = None,
+        directory: str | None = None,
+        directory_token: str = "",
         tls: ClientTls | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **options: Any,
     ) -> ReplayBuffer:
-        """A buffer fed by the datastore at `endpoint` (`grpc://host:port`, `grpcs://` over TLS):
-        the selected actors' steps of trials as they start (with `trial_properties`: those
-        having them), as their samples are committed; with `backfill`, first the latest stored
-        trials that fill the capacity (a learner that restarts gets its buffer back). `options`:
-        those of `ReplayBuffer`. `close()` stops the feed."""
+        """A buffer fed by the datastore at `endpoint` (`grpc://host:port`, `grpcs://` over TLS),
+        or by every replica a discovery URL (`cogment://discover/datastore[?name=value...]`)
+        finds through `directory` (with `directory_token`), looked up again every 10 s: the
+        selected actors' steps of trials as they start (with `trial_properties`: those having
+        them), as their samples are committed; with `backfill`, first the latest stored trials
+        that fill the capacity (a learner that restarts gets its buffer back). A datastore away
+        is retried, for `timeout_s` before the next call raises. `options`: those of
+        `ReplayBuffer`. `close()` stops the feed."""
+        endpoints = datastore_endpoints(
+            endpoint, directory, token=directory_token, tls=tls, timeout_s=timeout_s
+        )
         buffer = cls(capacity, **options)
         buffer._feed = DatastoreFeed(
             buffer,
-            endpoint,
+            endpoints,
+            refresh_s=DISCOVERY_REFRESH_S if is_discovery(endpoint) else None,
             actors=ActorSelection(actor_classes, actor_names, actor_implementations),
             trial_properties=trial_properties,
             backfill=backfill,

@@ -12,29 +12,26 @@ buffer, whose next call raises it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
-import numpy as np
 
 from services.datastore.client.api import DatastoreClient
-from services.datastore.client.dataset import TickOrder, _late_rewards, _payload
-from shared.api import common_pb2, trial_datastore_pb2
+from services.datastore.client.replay_steps import ActorSelection, DecodedColumn, Decoder, LiveTrial
+from shared.api import trial_datastore_pb2
 from shared.channel import ClientTls
 from shared.client import DEFAULT_TIMEOUT_S, ClientError
 
 if TYPE_CHECKING:
     from services.datastore.client.replay_buffer import ReplayBuffer
 
-Decoder = Callable[[bytes], Any]
 T = TypeVar("T")
 # Samples turned into steps together at most: one `extend` per actor for all of them.
 BATCH_SAMPLES = 256
-# What a sample without an actor's sample gives it: no observation, no action, no reward.
-_NO_ACTOR_SAMPLE = trial_datastore_pb2.StoredTrialActorSample()
 # How long a sample streamed waits for others to be turned into steps with it: the lag it adds.
 LINGER_S = 0.005
 # Samples asked for per RetrieveSampleRange (the datastore answers up to 2 MiB of them).
@@ -43,6 +40,15 @@ RANGE_SAMPLES = 1000
 FOLLOW_WAIT_MS = 10_000
 # Trials listed per page while looking for where the listing ends (or for backfill).
 PAGE_TRIALS = 1000
+# What a read is tried again after (on another replica if there is one): the datastore away,
+# restarting, or too slow to answer.
+RETRIED = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+# The first and the longest wait between two attempts of a read (doubled each time).
+BACKOFF_S = (0.1, 5.0)
+
+log = logging.getLogger(__name__)
 
 _FEEDS_LOOP: asyncio.AbstractEventLoop | None = None
 _FEEDS_LOOP_LOCK = threading.Lock()
@@ -58,118 +64,6 @@ def _feeds_loop() -> asyncio.AbstractEventLoop:
             _FEEDS_LOOP = asyncio.new_event_loop()
             threading.Thread(target=_FEEDS_LOOP.run_forever, name="replay-feeds", daemon=True).start()
         return _FEEDS_LOOP
-
-
-@dataclass(frozen=True)
-class ActorSelection:
-    classes: Sequence[str] = ()
-    names: Sequence[str] = ()
-    implementations: Sequence[str] = ()
-
-    def __post_init__(self) -> None:
-        for label, wanted in (
-            ("actor_classes", self.classes),
-            ("actor_names", self.names),
-            ("actor_implementations", self.implementations),
-        ):
-            if isinstance(wanted, str):
-                raise TypeError(f"{label}: a list of names, not the string {wanted!r}")
-
-    def indices(self, params: common_pb2.TrialParams) -> list[int]:
-        """The selected actors of a trial (every one when nothing is selected)."""
-        return [
-            index
-            for index, actor in enumerate(params.actors)
-            if (not self.classes or actor.actor_class in self.classes)
-            and (not self.names or actor.name in self.names)
-            and (not self.implementations or actor.implementation in self.implementations)
-        ]
-
-
-@dataclass
-class _Column:
-    """A column's decoder, and the zeros a step without a value gets once a value was decoded."""
-
-    decode: Decoder | None
-    blank: Any = None
-
-    def values(self, raws: list[bytes | None]) -> list[Any]:
-        if self.decode is None:
-            return raws
-        decoded = [None if raw is None else self.decode(raw) for raw in raws]
-        if self.blank is None:
-            first = next((value for value in decoded if value is not None), None)
-            if first is None:
-                if decoded:
-                    raise ValueError("steps without a value came before any value: their shape is unknown")
-                return decoded
-            self.blank = np.zeros_like(np.asarray(first))
-        return [self.blank if value is None else value for value in decoded]
-
-
-@dataclass
-class _TrialSteps:
-    """One trial's samples turned into its selected actors' steps."""
-
-    trial_id: str
-    actors: list[int]
-    last_state: int
-    order: TickOrder = field(default_factory=TickOrder)
-    positions: dict[int, int] = field(default_factory=dict)  # tick -> position in the episodes
-
-    def add(
-        self,
-        buffer: ReplayBuffer,
-        samples: Sequence[trial_datastore_pb2.StoredTrialSample],
-        observations: _Column,
-        actions: _Column,
-    ) -> None:
-        """Samples in stored order: one `extend` per actor for their new ticks (whose costs are
-        per call more than per step), a late reward added to its step, still here or stored."""
-        first = len(self.positions)
-        raw_observations: dict[int, list[bytes | None]] = {index: [] for index in self.actors}
-        raw_actions: dict[int, list[bytes | None]] = {index: [] for index in self.actors}
-        rewards: dict[int, list[float]] = {index: [] for index in self.actors}
-        for sample in samples:
-            if self.order.is_late(sample):
-                position = self.positions.get(sample.tick_id)
-                for index, reward, _ in _late_rewards(sample):
-                    if position is None or reward is None or index not in rewards:
-                        continue
-                    if position >= first:
-                        rewards[index][position - first] += reward
-                    else:
-                        buffer.add_late_reward((self.trial_id, index), position, reward)
-                continue
-            self.positions[sample.tick_id] = len(self.positions)
-            self.last_state = sample.state
-            by_index = {actor.actor: actor for actor in sample.actor_samples}
-            for index in self.actors:
-                actor = by_index.get(index, _NO_ACTOR_SAMPLE)
-                raw_observations[index].append(
-                    _payload(sample, actor.observation) if actor.HasField("observation") else None
-                )
-                raw_actions[index].append(
-                    _payload(sample, actor.action) if actor.HasField("action") else None
-                )
-                rewards[index].append(actor.reward if actor.HasField("reward") else 0.0)
-        if len(self.positions) == first:
-            return
-        for index in self.actors:
-            # (The feed waited for room before the samples: their steps go in together.)
-            buffer.extend(
-                (self.trial_id, index),
-                observations.values(raw_observations[index]),
-                actions.values(raw_actions[index]),
-                rewards[index],
-                ended=self.last_state == common_pb2.ENDED,
-                wait=False,
-            )
-
-    def finish(self, buffer: ReplayBuffer) -> None:
-        """The trial's samples are all in: its last step is terminal if it ended."""
-        for index in self.actors:
-            buffer.finish((self.trial_id, index), ended=self.last_state == common_pb2.ENDED)
 
 
 class _End:
@@ -217,14 +111,57 @@ async def _batches(replies: AsyncIterable[T], most: int, linger_s: float) -> Asy
         await asyncio.gather(reader, return_exceptions=True)
 
 
+class _Retry:
+    """Attempts of one read: the backoff between them, and how long they have failed since the
+    last that made progress."""
+
+    def __init__(self, what: str, give_up_s: float) -> None:
+        self._what = what
+        self._give_up_s = give_up_s
+        self._failing_since: float | None = None
+        self._delay_s = BACKOFF_S[0]
+
+    @property
+    def failing(self) -> bool:
+        return self._failing_since is not None
+
+    def progressed(self) -> None:
+        if self._failing_since is not None:
+            log.info("%s: going on", self._what)
+        self._failing_since = None
+        self._delay_s = BACKOFF_S[0]
+
+    async def failed(self, error: grpc.aio.AioRpcError) -> None:
+        """Wait before the next attempt; raise `error` if it cannot pass (not `RETRIED`), or
+        has failed for `give_up_s`."""
+        if error.code() not in RETRIED:
+            raise error
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+            log.warning("%s: %s (%s), trying again", self._what, error.code().name, error.details())
+        elif now - self._failing_since > self._give_up_s:
+            raise error
+        await asyncio.sleep(self._delay_s)
+        self._delay_s = min(2 * self._delay_s, BACKOFF_S[1])
+
+
 class DatastoreFeed:
-    """Feeds `buffer` from the datastore at `endpoint`, on the feeds' event loop, until `stop`."""
+    """Feeds `buffer` from the datastores `endpoints` lists (one, or every replica a directory
+    lists, asked again every `refresh_s`), on the feeds' event loop, until `stop`.
+
+    Each datastore's listing is followed; a trial is read once, from the datastore that listed
+    it first (replicas of one database all list it). A read that fails with the datastore away
+    goes on where it stopped, from another replica if there is one, with backoff; the buffer
+    fails (its next call raises) once every attempt has failed for `timeout_s`, or at once for
+    any other failure."""
 
     def __init__(
         self,
         buffer: ReplayBuffer,
-        endpoint: str,
+        endpoints: Callable[[], Awaitable[list[str]]],
         *,
+        refresh_s: float | None = None,
         actors: ActorSelection,
         trial_properties: Mapping[str, str] | None = None,
         backfill: bool = False,
@@ -234,17 +171,22 @@ class DatastoreFeed:
         tls: ClientTls | None = None,
     ) -> None:
         self._buffer = buffer
-        self._endpoint = endpoint
+        self._endpoints = endpoints
+        self._refresh_s = refresh_s
         self._actors = actors
         self._properties = dict(trial_properties or {})
         self._backfill = backfill
-        self._observations = _Column(decode_observation)
-        self._actions = _Column(decode_action)
+        self._observations = DecodedColumn(decode_observation)
+        self._actions = DecodedColumn(decode_action)
         self._timeout_s = timeout_s
         self._tls = tls
         self._started = threading.Event()
         self._stopped = threading.Event()
         self._main: asyncio.Task[None] | None = None
+        self._clients: dict[str, DatastoreClient] = {}
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._trials: set[asyncio.Task[None]] = set()
+        self._seen: set[str] = set()  # trials read (or being read)
 
     def start(self) -> None:
         """Once the trials to follow are known: every trial created from now on is fed."""
@@ -267,53 +209,141 @@ class DatastoreFeed:
         self._stopped.set()
 
     async def _feed(self) -> None:
-        trials: set[asyncio.Task[None]] = set()
         try:
-            async with DatastoreClient(self._endpoint, self._timeout_s, self._tls) as client:
-                handle, backlog, closed = await self._start(client)
-                self._started.set()
-                for info in backlog:
-                    self._follow(trials, client, info, closed=info.trial_id in closed)
-                while True:
-                    reply = await client.stub.RetrieveTrials(
-                        trial_datastore_pb2.RetrieveTrialsRequest(
-                            trials_count=1,
-                            trial_handle=handle,
-                            timeout=FOLLOW_WAIT_MS,
-                            properties=self._properties,
-                        ),
-                        timeout=FOLLOW_WAIT_MS / 1000 + self._timeout_s,
-                    )
-                    handle = reply.next_trial_handle or handle
-                    for info in reply.trial_infos:
-                        self._follow(trials, client, info)
+            await self._start()
+            self._started.set()
+            while True:  # the followers and readers do the work
+                await (asyncio.Event().wait() if self._refresh_s is None else asyncio.sleep(self._refresh_s))
+                await self._refresh()
         except asyncio.CancelledError:
             raise
         except Exception as error:
             self._failed(error)
         finally:
-            for task in trials:
+            tasks = [*self._followers.values(), *self._trials]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*trials, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(client.close() for client in self._clients.values()))
 
-    def _follow(
-        self,
-        trials: set[asyncio.Task[None]],
-        client: DatastoreClient,
-        info: trial_datastore_pb2.StoredTrialInfo,
-        *,
-        closed: bool = False,
-    ) -> None:
-        task = asyncio.create_task(self._trial(client, info, closed), name=f"replay-{info.trial_id}")
-        trials.add(task)
-        task.add_done_callback(trials.discard)
+    async def _start(self) -> None:
+        """Follow each datastore from where its listing ends now, and read the trials to
+        backfill: the latest stored ones whose selected actors' steps fill the capacity (read
+        together: when they overshoot it, the oldest steps of each leave first)."""
+        endpoints = await self._endpoints()
+        if not endpoints:
+            raise ClientError("no trial datastore is listed: nothing to follow")
+        listed: dict[str, tuple[trial_datastore_pb2.StoredTrialInfo, str]] = {}
+        for endpoint in endpoints:
+            handle, infos = await self._listing(endpoint)
+            self._start_follower(endpoint, handle)
+            for info in infos:
+                listed.setdefault(info.trial_id, (info, endpoint))
+        backlog: list[tuple[trial_datastore_pb2.StoredTrialInfo, str]] = []
+        steps = 0
+        for info, endpoint in reversed(listed.values()):
+            if steps >= self._buffer.capacity:
+                break
+            backlog.append((info, endpoint))
+            steps += info.samples_count * len(self._actors.indices(info.params))
+        closed: set[str] = set()
+        for endpoint in dict.fromkeys(endpoint for _, endpoint in backlog):
+            ids = [info.trial_id for info, listed_by in backlog if listed_by == endpoint]
+            statuses = await self._client(endpoint).trial_statuses(ids)
+            closed.update(trial_id for trial_id, status in (statuses or {}).items() if status.closed)
+        for info, endpoint in reversed(backlog):
+            self._read(info, endpoint, closed=info.trial_id in closed)
+
+    async def _listing(self, endpoint: str) -> tuple[str, list[trial_datastore_pb2.StoredTrialInfo]]:
+        """Where `endpoint`'s listing ends, and its trials if backfilling."""
+        handle = ""
+        listed: list[trial_datastore_pb2.StoredTrialInfo] = []
+        while True:
+            reply = await self._client(endpoint).list_trials(PAGE_TRIALS, handle, self._properties)
+            listed.extend(reply.trial_infos if self._backfill else [])
+            handle = reply.next_trial_handle or handle
+            if len(reply.trial_infos) < PAGE_TRIALS:
+                return handle, listed
+
+    async def _refresh(self) -> None:
+        """Follow the datastores listed now, from where their listings end, and no others."""
+        try:
+            endpoints = await self._endpoints()
+        except ClientError as error:
+            log.warning("the replay feed keeps its datastores: %s", error)
+            return
+        for endpoint in set(self._followers) - set(endpoints):
+            log.info("the replay feed stops following %s: no longer listed", endpoint)
+            self._followers.pop(endpoint).cancel()
+        for endpoint in endpoints:
+            if endpoint not in self._followers:
+                try:
+                    handle, _ = await self._listing(endpoint)
+                except grpc.aio.AioRpcError as error:
+                    log.warning("the replay feed cannot follow %s yet: %s", endpoint, error.code().name)
+                    continue
+                log.info("the replay feed follows %s", endpoint)
+                self._start_follower(endpoint, handle)
+
+    def _client(self, endpoint: str) -> DatastoreClient:
+        if endpoint not in self._clients:
+            self._clients[endpoint] = DatastoreClient(endpoint, self._timeout_s, self._tls)
+        return self._clients[endpoint]
+
+    def _start_follower(self, endpoint: str, handle: str) -> None:
+        task = asyncio.create_task(self._follow(endpoint, handle), name=f"replay-follow-{endpoint}")
+        self._followers[endpoint] = task
+        task.add_done_callback(lambda done: self._follower_done(endpoint, done))
+
+    async def _follow(self, endpoint: str, handle: str) -> None:
+        """Read each trial `endpoint` lists after `handle` that no other datastore listed first."""
+        retry = _Retry(f"following the trials of {endpoint}", self._timeout_s)
+        while True:
+            try:
+                reply = await self._client(endpoint).stub.RetrieveTrials(
+                    trial_datastore_pb2.RetrieveTrialsRequest(
+                        trials_count=1,
+                        trial_handle=handle,
+                        timeout=FOLLOW_WAIT_MS,
+                        properties=self._properties,
+                    ),
+                    timeout=FOLLOW_WAIT_MS / 1000 + self._timeout_s,
+                )
+            except grpc.aio.AioRpcError as error:
+                await retry.failed(error)
+                continue
+            retry.progressed()
+            handle = reply.next_trial_handle or handle
+            for info in reply.trial_infos:
+                self._read(info, endpoint, closed=False)
+
+    def _follower_done(self, endpoint: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        if self._followers.get(endpoint) is task:
+            del self._followers[endpoint]
+        if self._followers:  # (listed again later, it is followed again)
+            log.warning("the replay feed stops following %s: %s", endpoint, error)
+        else:
+            self._fail(error)
+
+    def _read(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str, *, closed: bool) -> None:
+        if info.trial_id in self._seen:
+            return
+        self._seen.add(info.trial_id)
+        task = asyncio.create_task(self._trial(info, endpoint, closed), name=f"replay-{info.trial_id}")
+        self._trials.add(task)
+        task.add_done_callback(self._trials.discard)
         task.add_done_callback(self._trial_done)
 
     def _trial_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
-            self._failed(error)
-            if self._main is not None:
-                self._main.cancel()  # the buffer has failed: nothing more is fed
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        self._failed(error)
+        if self._main is not None:
+            self._main.cancel()  # the buffer has failed: nothing more is fed
 
     def _failed(self, error: BaseException) -> None:
         """The training loop hears of it at its next call: the datastore away, a decoder raising."""
@@ -321,60 +351,53 @@ class DatastoreFeed:
             error = ClientError(f"the replay feed stopped: {error.code().name}: {error.details()}")
         self._buffer.fail(error)
 
-    async def _start(
-        self, client: DatastoreClient
-    ) -> tuple[str, list[trial_datastore_pb2.StoredTrialInfo], set[str]]:
-        """Where the listing ends (trials created after it are followed); the trials to
-        backfill: the latest stored ones whose selected actors' steps fill the capacity (read
-        together: when they overshoot it, the oldest steps of each leave first); and which of
-        those are closed (no sample is coming: they can be read in ranges)."""
-        handle = ""
-        listed: list[trial_datastore_pb2.StoredTrialInfo] = []
-        while True:
-            reply = await client.list_trials(PAGE_TRIALS, handle, self._properties)
-            listed.extend(reply.trial_infos if self._backfill else [])
-            handle = reply.next_trial_handle or handle
-            if len(reply.trial_infos) < PAGE_TRIALS:
-                break
-        backlog: list[trial_datastore_pb2.StoredTrialInfo] = []
-        steps = 0
-        for info in reversed(listed):
-            if steps >= self._buffer.capacity:
-                break
-            backlog.append(info)
-            steps += info.samples_count * len(self._actors.indices(info.params))
-        statuses = await client.trial_statuses([info.trial_id for info in backlog]) if backlog else None
-        closed = {trial_id for trial_id, status in (statuses or {}).items() if status.closed}
-        return handle, backlog[::-1], closed
-
-    async def _trial(
-        self, client: DatastoreClient, info: trial_datastore_pb2.StoredTrialInfo, closed: bool
-    ) -> None:
+    async def _trial(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str, closed: bool) -> None:
         actors = self._actors.indices(info.params)
         if not actors:
             return
-        trial = _TrialSteps(info.trial_id, actors, info.last_state)
-        async for samples in self._samples(client, info.trial_id, closed):
-            while samples:
-                room = self._buffer.insert_room()
-                if room == 0:  # waited for off the loop, which other feeds share
-                    await asyncio.to_thread(self._buffer.wait_for_room)
-                    room = self._buffer.insert_room()
-                # Within the ratio's room: a sample's actors go in together, one sample at least.
-                count = len(samples) if room is None else max(1, room // len(actors))
-                trial.add(self._buffer, samples[:count], self._observations, self._actions)
-                samples = samples[count:]
+        trial = LiveTrial(info.trial_id, actors, info.last_state)
+        read = 0  # samples in the buffer: a read that failed goes on after them
+        retry = _Retry(f"reading trial {info.trial_id}", self._timeout_s)
+        while True:
+            try:
+                async for samples in self._samples(self._client(endpoint), info.trial_id, closed, read):
+                    retry.progressed()
+                    await self._add(trial, samples)
+                    read += len(samples)
+                break
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("trial %s was deleted while read: its steps end here", info.trial_id)
+                    break
+                await retry.failed(error)
+                endpoint = self._another(endpoint)
         trial.finish(self._buffer)
 
+    def _another(self, endpoint: str) -> str:
+        """The next datastore followed after `endpoint`, to try a read again on."""
+        others = sorted(self._followers)
+        return next((other for other in others if other > endpoint), others[0] if others else endpoint)
+
+    async def _add(self, trial: LiveTrial, samples: Sequence[trial_datastore_pb2.StoredTrialSample]) -> None:
+        while samples:
+            room = self._buffer.insert_room()
+            if room == 0:  # waited for off the loop, which other feeds share
+                await asyncio.to_thread(self._buffer.wait_for_room)
+                room = self._buffer.insert_room()
+            # Within the ratio's room: a sample's actors go in together, one sample at least.
+            count = len(samples) if room is None else max(1, room // len(trial.actors))
+            trial.add(self._buffer, samples[:count], self._observations, self._actions)
+            samples = samples[count:]
+
     async def _samples(
-        self, client: DatastoreClient, trial_id: str, closed: bool
+        self, client: DatastoreClient, trial_id: str, closed: bool, skip: int
     ) -> AsyncIterator[Sequence[trial_datastore_pb2.StoredTrialSample]]:
-        """The trial's samples in stored order, in lists. A closed trial's in ranges of up to
-        `RANGE_SAMPLES` (`RetrieveSampleRange`: a reply costs about what one sample of a stream
-        does); the others as they are committed (`RetrieveSamples`), and those of a datastore
-        that serves no ranges (the reference's)."""
+        """The trial's samples in stored order after the first `skip`, in lists. A closed
+        trial's in ranges of up to `RANGE_SAMPLES` (`RetrieveSampleRange`: a reply costs about
+        what one sample of a stream does); the others as they are committed
+        (`RetrieveSamples`), and those of a datastore that serves no ranges (the reference's)."""
         if closed:
-            first = 0
+            first = skip
             while (reply := await client.sample_range(trial_id, first, RANGE_SAMPLES)) is not None:
                 if reply.samples:
                     yield reply.samples
@@ -385,6 +408,9 @@ class DatastoreFeed:
         call = client.stub.RetrieveSamples(trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=[trial_id]))
         try:
             async for replies in _batches(call, BATCH_SAMPLES, LINGER_S):
-                yield [reply.trial_sample for reply in replies]
+                samples = [reply.trial_sample for reply in replies[skip:]]
+                skip = max(0, skip - len(replies))
+                if samples:
+                    yield samples
         finally:
             call.cancel()
