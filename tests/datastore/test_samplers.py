@@ -63,9 +63,13 @@ def test_prioritized_gives_new_transitions_the_largest_priority_and_forgets_thos
 
 def test_fifo_takes_the_oldest_ready_once() -> None:
     store, _, _, ready = filled(10, 12)  # keys 2 to 11, 11 not ready
-    ready[store.slots([3])] = False  # consumed earlier
-    slots, _ = FifoSampler().sample(store, ready, int(ready.sum()), 4, np.random.default_rng(3))
-    assert list(store.gather(slots)["keys"]) == [2, 4, 5, 6]
+    sampler = FifoSampler()
+    sampler.became_ready(np.array([5, 2, 6, 4, 7, 3], dtype=np.int64))  # (live episodes interleave)
+    sampler.left(np.array([2], dtype=np.int64))  # removed by the capacity
+    slots, _ = sampler.sample(store, ready, 5, 4, np.random.default_rng(3))
+    assert list(store.gather(slots)["keys"]) == [3, 4, 5, 6]
+    slots, _ = sampler.sample(store, ready, 1, 4, np.random.default_rng(3))
+    assert list(store.gather(slots)["keys"]) == [7]  # what is ready, up to the size asked for
     assert FifoSampler.consumes
 
 

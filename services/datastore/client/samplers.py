@@ -9,6 +9,8 @@ ready transitions with their importance weights (1 but for the prioritized sampl
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import numpy.typing as npt
 
@@ -56,16 +58,32 @@ class UniformSampler(Sampler):
 
 
 class FifoSampler(Sampler):
-    """The oldest ready transitions, each once: they leave the buffer as they are sampled."""
+    """The oldest ready transitions, each once: they leave the buffer as they are sampled.
+
+    A heap of the keys that became ready, not a scan of the ring: live episodes interleave, so a
+    step can become ready after younger ones were sampled, and consumed steps stay in the ring
+    until the capacity removes them."""
 
     consumes = True
+
+    def __init__(self) -> None:
+        self._queue: list[int] = []
+
+    def became_ready(self, keys: Keys) -> None:
+        for key in keys.tolist():
+            heapq.heappush(self._queue, key)
+
+    def left(self, keys: Keys) -> None:
+        # Removed by the capacity: the oldest keys, at the front (those sampled were taken off).
+        gone = set(keys.tolist())
+        while self._queue and self._queue[0] in gone:
+            heapq.heappop(self._queue)
 
     def sample(
         self, store: StepStore, ready: Ready, ready_count: int, count: int, rng: np.random.Generator
     ) -> tuple[Slots, Weights]:
-        slots = (store.oldest_key + np.arange(len(store), dtype=np.int64)) % store.capacity
-        oldest = slots[ready[slots]][:count]
-        return oldest, np.ones(len(oldest))
+        oldest = [heapq.heappop(self._queue) for _ in range(min(count, len(self._queue)))]
+        return np.array(oldest, dtype=np.int64) % store.capacity, np.ones(len(oldest))
 
 
 class PrioritizedSampler(Sampler):
