@@ -187,6 +187,7 @@ class DatastoreFeed:
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._trials: set[asyncio.Task[None]] = set()
         self._seen: set[str] = set()  # trials read (or being read)
+        self._matched = False  # a trial had selected actors
 
     def start(self) -> None:
         """Once the trials to follow are known: every trial created from now on is fed."""
@@ -354,7 +355,12 @@ class DatastoreFeed:
     async def _trial(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str, closed: bool) -> None:
         actors = self._actors.indices(info.params)
         if not actors:
+            # Until a trial had selected actors, a trial without is a mistake in the selection
+            # (after, one of another kind: `trial_properties` can leave those out).
+            if not self._matched:
+                raise ValueError(self._actors.selects_none_of(info.trial_id, info.params))
             return
+        self._matched = True
         trial = LiveTrial(info.trial_id, actors, info.last_state)
         read = 0  # samples in the buffer: a read that failed goes on after them
         retry = _Retry(f"reading trial {info.trial_id}", self._timeout_s)

@@ -30,13 +30,22 @@ class ActorSelection:
     implementations: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        for label, wanted in (
+        for label, wanted in self._given():
+            if isinstance(wanted, str):
+                raise TypeError(f"{label}: a list of names, not the string {wanted!r}")
+
+    def _given(self) -> list[tuple[str, Sequence[str]]]:
+        return [
             ("actor_classes", self.classes),
             ("actor_names", self.names),
             ("actor_implementations", self.implementations),
-        ):
-            if isinstance(wanted, str):
-                raise TypeError(f"{label}: a list of names, not the string {wanted!r}")
+        ]
+
+    def selects_none_of(self, trial_id: str, params: common_pb2.TrialParams) -> str:
+        """Why a trial has no selected actor, in the parameters' words (a typo, most likely)."""
+        asked = ", ".join(f"{label}={list(wanted)}" for label, wanted in self._given() if wanted)
+        actors = ", ".join(f"{a.name} ({a.actor_class}, {a.implementation})" for a in params.actors)
+        return f"{asked} selects no actor of trial {trial_id}, whose actors are: {actors or 'none'}"
 
     def indices(self, params: common_pb2.TrialParams) -> list[int]:
         """The selected actors of a trial (every one when nothing is selected)."""
