@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # Samples turned into steps together at most: one `extend` per actor for all of them.
 BATCH_SAMPLES = 256
-# How long a sample streamed waits for others to be turned into steps with it: the lag it adds.
+# How long a sample of a busy stream waits for others to be turned into steps with it.
 LINGER_S = 0.005
 # Samples asked for per RetrieveSampleRange (the datastore answers up to 2 MiB of them).
 RANGE_SAMPLES = 1000
@@ -74,9 +74,10 @@ class _End:
 
 
 async def _batches(replies: AsyncIterable[T], most: int, linger_s: float) -> AsyncIterator[list[T]]:
-    """`replies` in lists: those that came within `linger_s` of the first of each (`most` at
-    most, and held), so that the consumer's costs per call are shared by many replies. (A
-    stream's replies come one read at a time: while the consumer works, none come.)"""
+    """`replies` in lists, so that the consumer's costs per call are shared by many replies: when
+    another reply is there as soon as one came (the stream is busy), those that come within
+    `linger_s` of the first (`most` at most, and held); a reply that came alone goes alone, at
+    once. (A stream's replies come one read at a time: while the consumer works, none come.)"""
     queue: asyncio.Queue[T | _End] = asyncio.Queue(most)
 
     async def read() -> None:
@@ -92,7 +93,8 @@ async def _batches(replies: AsyncIterable[T], most: int, linger_s: float) -> Asy
     try:
         while True:
             batch = [await queue.get()]
-            if not isinstance(batch[0], _End):
+            await asyncio.sleep(0)  # a reply already received comes in
+            if not queue.empty():  # more are coming: wait for them, not when one came alone
                 await asyncio.sleep(linger_s)
             while len(batch) < most and not queue.empty() and not isinstance(batch[-1], _End):
                 batch.append(queue.get_nowait())
