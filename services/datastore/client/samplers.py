@@ -110,8 +110,9 @@ class PrioritizedSampler(Sampler):
     def update(self, store: StepStore, ready: Ready, keys: npt.ArrayLike, priorities: npt.ArrayLike) -> None:
         """New priorities (more than 0) for these transitions; keys no longer in the buffer are
         skipped (removed since they were sampled)."""
-        checked_keys = np.array(keys, dtype=np.int64, ndmin=1)
-        values = np.array(priorities, dtype=np.float64, ndmin=1)
+        # asarray: np.array(..., ndmin=1) warns on a torch tensor's `__array__` (no `copy`).
+        checked_keys = np.atleast_1d(np.asarray(keys, dtype=np.int64))
+        values = np.atleast_1d(np.asarray(priorities, dtype=np.float64))
         if checked_keys.shape != values.shape:
             raise ValueError(f"{len(checked_keys)} keys but {len(values)} priorities")
         if not np.all(np.isfinite(values)) or np.any(values <= 0):
