@@ -17,7 +17,7 @@ from services.datastore.client import replay_buffer, replay_feed
 from services.datastore.client.api import DatastoreClient
 from services.datastore.client.replay_buffer import ReplayBuffer
 from services.datastore.client.training import TrainingData
-from shared.api import common_pb2, directory_pb2
+from shared.api import common_pb2, datalog_pb2, directory_pb2
 from shared.client import ClientError
 from tests.helpers.datastore import (
     datalog_inputs,
@@ -364,5 +364,53 @@ async def test_a_selection_that_matches_no_actor_fails_the_next_sample(datastore
             r"actors are: alice \(class1, impl_a\), bob",
         ):
             await asyncio.to_thread(buffer.sample, 1, 10.0)
+    finally:
+        await asyncio.to_thread(buffer.close)
+
+
+async def test_steps_without_a_value_wait_for_one_to_know_their_zeros(datastore: RunningDatastore) -> None:
+    """A trial whose first ticks have no observation: its steps are held until one comes, then get
+    zeros of its shape, as TrainingData gives them."""
+
+    def tick_number(raw: bytes) -> np.ndarray:
+        return np.array([float(raw.split(b"-")[1])], np.float32)
+
+    def unobserved(tick: int) -> datalog_pb2.DatalogSample:
+        sample = datalog_sample(tick)
+        sample.ClearField("observations")
+        return sample
+
+    buffer = await asyncio.to_thread(
+        ReplayBuffer.from_datastore,
+        endpoint(datastore),
+        capacity=100,
+        actor_names=["alice"],
+        decode_observation=tick_number,
+        sampler="fifo",
+    )
+    try:
+        call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "blank"),))
+        ticks = [
+            *map(unobserved, range(3)),
+            *map(datalog_sample, range(3, 6)),
+            datalog_sample(6, common_pb2.ENDED),
+        ]
+        inputs = datalog_inputs(trial_params(), ticks)
+        await send_acknowledged(call, inputs[:4])
+        await asyncio.sleep(0.5)
+        assert buffer.stats()["steps"] == 0  # held: the zeros' shape is not known yet
+        await send_acknowledged(call, inputs[4:])
+        await call.done_writing()
+        await transitions(buffer, 6)
+        got = await asyncio.to_thread(buffer.sample, 6)
+        data = await asyncio.to_thread(
+            TrainingData.from_datastore,
+            endpoint(datastore),
+            ["blank"],
+            actor_names=["alice"],
+            decode_observation=tick_number,
+        )
+        assert by_observation(got) == by_observation(data.d4rl())
+        assert got["observations"].tolist().count([0.0]) == 3
     finally:
         await asyncio.to_thread(buffer.close)

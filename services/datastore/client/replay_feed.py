@@ -379,7 +379,7 @@ class DatastoreFeed:
                     break
                 await retry.failed(error)
                 endpoint = self._another(endpoint)
-        trial.finish(self._buffer)
+        trial.finish(self._buffer, self._observations, self._actions)
 
     def _another(self, endpoint: str) -> str:
         """The next datastore followed after `endpoint`, to try a read again on."""

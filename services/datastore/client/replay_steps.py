@@ -60,34 +60,62 @@ class ActorSelection:
 
 @dataclass
 class DecodedColumn:
-    """A column's decoder, and the zeros a step without a value gets once a value was decoded."""
+    """A column's decoder, and the zeros a step without a value gets: zeros like the first value
+    decoded, or (`settle`) 0.0 when a trial ended before any value came (as `TrainingData` gives
+    a column without any value)."""
 
     decode: Decoder | None
     blank: Any = None
 
+    def learn(self, raws: list[bytes | None]) -> None:
+        """Know the blank from the first value among `raws`, if it is not known yet."""
+        if self.decode is not None and self.blank is None:
+            first = next((raw for raw in raws if raw is not None), None)
+            if first is not None:
+                self.blank = np.zeros_like(np.asarray(self.decode(first)))
+
+    def ready(self, raws: list[bytes | None]) -> bool:
+        """Whether `raws` can be given values now (a step without one needs the blank)."""
+        return self.decode is None or self.blank is not None or all(raw is not None for raw in raws)
+
+    def settle(self) -> None:
+        if self.decode is not None and self.blank is None:
+            self.blank = np.zeros(())
+
     def values(self, raws: list[bytes | None]) -> list[Any]:
         if self.decode is None:
             return raws
-        decoded = [None if raw is None else self.decode(raw) for raw in raws]
-        if self.blank is None:
-            first = next((value for value in decoded if value is not None), None)
-            if first is None:
-                if decoded:
-                    raise ValueError("steps without a value came before any value: their shape is unknown")
-                return decoded
-            self.blank = np.zeros_like(np.asarray(first))
-        return [self.blank if value is None else value for value in decoded]
+        return [self.blank if raw is None else self.decode(raw) for raw in raws]
+
+
+@dataclass
+class _HeldSteps:
+    """An actor's steps not in the buffer yet: raw observations and actions, rewards."""
+
+    observations: list[bytes | None] = field(default_factory=list)
+    actions: list[bytes | None] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
 
 
 @dataclass
 class LiveTrial:
-    """One trial's samples turned into its selected actors' steps."""
+    """One trial's samples turned into its selected actors' steps.
+
+    A batch of samples goes in with one `extend` per actor (its costs are per call more than per
+    step). Steps are held back while a column has no value to shape the zeros of a step without
+    one (until a value comes, or the trial's end settles it), so that every actor's episode has
+    the same number of steps in the buffer: `stored`."""
 
     trial_id: str
     actors: list[int]
     last_state: int
     order: TickOrder = field(default_factory=TickOrder)
     positions: dict[int, int] = field(default_factory=dict)  # tick -> position in the episodes
+    stored: int = 0
+    held: dict[int, _HeldSteps] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.held = {index: _HeldSteps() for index in self.actors}
 
     def add(
         self,
@@ -96,49 +124,59 @@ class LiveTrial:
         observations: DecodedColumn,
         actions: DecodedColumn,
     ) -> None:
-        """Samples in stored order: one `extend` per actor for their new ticks (whose costs are
-        per call more than per step), a late reward added to its step, still here or stored."""
-        first = len(self.positions)
-        raw_observations: dict[int, list[bytes | None]] = {index: [] for index in self.actors}
-        raw_actions: dict[int, list[bytes | None]] = {index: [] for index in self.actors}
-        rewards: dict[int, list[float]] = {index: [] for index in self.actors}
+        """Samples in stored order; a late reward is added to its step, held or stored."""
         for sample in samples:
             if self.order.is_late(sample):
                 position = self.positions.get(sample.tick_id)
                 for index, reward, _ in _late_rewards(sample):
-                    if position is None or reward is None or index not in rewards:
+                    if position is None or reward is None or index not in self.held:
                         continue
-                    if position >= first:
-                        rewards[index][position - first] += reward
+                    if position >= self.stored:
+                        self.held[index].rewards[position - self.stored] += reward
                     else:
                         buffer.add_late_reward((self.trial_id, index), position, reward)
                 continue
             self.positions[sample.tick_id] = len(self.positions)
             self.last_state = sample.state
             by_index = {actor.actor: actor for actor in sample.actor_samples}
-            for index in self.actors:
+            for index, held in self.held.items():
                 actor = by_index.get(index, _NO_ACTOR_SAMPLE)
-                raw_observations[index].append(
+                held.observations.append(
                     _payload(sample, actor.observation) if actor.HasField("observation") else None
                 )
-                raw_actions[index].append(
-                    _payload(sample, actor.action) if actor.HasField("action") else None
-                )
-                rewards[index].append(actor.reward if actor.HasField("reward") else 0.0)
-        if len(self.positions) == first:
-            return
+                held.actions.append(_payload(sample, actor.action) if actor.HasField("action") else None)
+                held.rewards.append(actor.reward if actor.HasField("reward") else 0.0)
+        self._store(buffer, observations, actions)
+
+    def finish(self, buffer: ReplayBuffer, observations: DecodedColumn, actions: DecodedColumn) -> None:
+        """The trial's samples are all in: its last step is terminal if it ended."""
+        observations.settle()
+        actions.settle()
+        self._store(buffer, observations, actions)
         for index in self.actors:
+            buffer.finish((self.trial_id, index), ended=self.last_state == common_pb2.ENDED)
+
+    def _store(self, buffer: ReplayBuffer, observations: DecodedColumn, actions: DecodedColumn) -> None:
+        if self.stored == len(self.positions):
+            return
+        for held in self.held.values():
+            observations.learn(held.observations)
+            actions.learn(held.actions)
+        # After learning, the blanks are known, or every held value is missing: all go, or none.
+        if not all(
+            observations.ready(held.observations) and actions.ready(held.actions)
+            for held in self.held.values()
+        ):
+            return
+        for index, held in self.held.items():
             # (The feed waited for room before the samples: their steps go in together.)
             buffer.extend(
                 (self.trial_id, index),
-                observations.values(raw_observations[index]),
-                actions.values(raw_actions[index]),
-                rewards[index],
+                observations.values(held.observations),
+                actions.values(held.actions),
+                held.rewards,
                 ended=self.last_state == common_pb2.ENDED,
                 wait=False,
             )
-
-    def finish(self, buffer: ReplayBuffer) -> None:
-        """The trial's samples are all in: its last step is terminal if it ended."""
-        for index in self.actors:
-            buffer.finish((self.trial_id, index), ended=self.last_state == common_pb2.ENDED)
+            self.held[index] = _HeldSteps()
+        self.stored = len(self.positions)
