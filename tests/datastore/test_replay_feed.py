@@ -352,18 +352,20 @@ def test_bad_discovery_is_named() -> None:
         ReplayBuffer.from_datastore("cogment://discover/actor", directory="grpc://127.0.0.1:1", capacity=10)
 
 
-async def test_a_selection_that_matches_no_actor_fails_the_next_sample(datastore: RunningDatastore) -> None:
+async def test_a_selection_that_matches_no_actor_says_so_when_a_sample_times_out(
+    datastore: RunningDatastore,
+) -> None:
     buffer = await asyncio.to_thread(
         ReplayBuffer.from_datastore, endpoint(datastore), capacity=100, actor_classes=["clas1"]
     )
     try:
         await run_datalog(datastore, "t", [datalog_sample(0), datalog_sample(1, common_pb2.ENDED)])
         with pytest.raises(
-            ValueError,
-            match=r"actor_classes=\['clas1'\] selects no actor of trial t, whose "
-            r"actors are: alice \(class1, impl_a\), bob",
+            TimeoutError,
+            match=r"held the sample back \(min_size\) for 2.0 s: actor_classes=\['clas1'\] selects no actor "
+            r"of trial t, whose actors are: alice \(class1, impl_a\), bob",
         ):
-            await asyncio.to_thread(buffer.sample, 1, 10.0)
+            await asyncio.to_thread(buffer.sample, 1, 2.0)
     finally:
         await asyncio.to_thread(buffer.close)
 

@@ -88,6 +88,14 @@ class RateLimiter:
             return "samples_per_insert"
         return None
 
+    def largest_insert_room(self) -> int | None:
+        """The most inserts the ratio ever lets in at once (None: any number), from its lowest
+        diff: what a writer can wait for."""
+        if self.samples_per_insert is None:
+            return None
+        low, high = self._bounds
+        return max(1, math.floor((high - low) / self.samples_per_insert), self.min_size)
+
     def inserted(self, count: int = 1) -> None:
         self.inserts += count
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -107,6 +107,7 @@ class ReplayBuffer:
         self._failure: BaseException | None = None
         self._waited_s = {"min_size": 0.0, "samples_per_insert": 0.0, "inserts": 0.0}
         self._feed: DatastoreFeed | None = None
+        self._listeners: list[Callable[[], None]] = []
 
     @classmethod
     def from_datastore(
@@ -189,7 +190,9 @@ class ReplayBuffer:
                 started = time.monotonic()
                 left = None if deadline is None else deadline - started
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"the rate limiter held the sample back ({held}) for {timeout_s} s")
+                    why = f"the rate limiter held the sample back ({held}) for {timeout_s} s"
+                    unmatched = None if self._feed is None else self._feed.unmatched
+                    raise TimeoutError(why if unmatched is None else f"{why}: {unmatched}")
                 self._changed.wait(left)
                 self._waited_s[held] += time.monotonic() - started
             slots, weights = self._sampler.sample(
@@ -200,7 +203,7 @@ class ReplayBuffer:
             self._limiter.sampled(len(slots))
             if self._sampler.consumes:
                 self._leave(batch["keys"])
-            self._changed.notify_all()
+            self._notify()
             return batch
 
     def update_priorities(self, keys: npt.ArrayLike, priorities: npt.ArrayLike) -> None:
@@ -235,7 +238,7 @@ class ReplayBuffer:
         """Stop the feed, if any; calls after this raise."""
         with self._changed:
             self._closed = True
-            self._changed.notify_all()
+            self._notify()
         if self._feed is not None:
             self._feed.stop()
 
@@ -326,12 +329,28 @@ class ReplayBuffer:
         """The feed failed: the next call raises `error`."""
         with self._changed:
             self._failure = error
-            self._changed.notify_all()
+            self._notify()
 
     def insert_room(self) -> int | None:
         """How many transitions the rate limiter lets in now (None: any number)."""
         with self._changed:
             return self._limiter.insert_room()
+
+    def largest_insert_room(self) -> int | None:
+        """The most transitions the rate limiter ever lets in at once (None: any number)."""
+        with self._changed:
+            return self._limiter.largest_insert_room()
+
+    def inserts_waited(self, seconds: float) -> None:
+        """A writer waited this long for room (`stats()`' `waited_s["inserts"]`)."""
+        with self._changed:
+            self._waited_s["inserts"] += seconds
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from any thread, at once) when samples may have made room, or the
+        buffer closed or failed: a writer on an event loop waits for it there, not in a thread."""
+        with self._changed:
+            self._listeners.append(callback)
 
     def wait_for_room(self) -> None:
         """Until the rate limiter lets inserts through (or the buffer closed or failed)."""
@@ -342,6 +361,11 @@ class ReplayBuffer:
             self._waited_s["inserts"] += time.monotonic() - started
 
     # ---- inside ----
+
+    def _notify(self) -> None:
+        self._changed.notify_all()
+        for callback in self._listeners:
+            callback()
 
     def _raise_if_over(self) -> None:
         if self._failure is not None:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
@@ -47,6 +48,8 @@ RETRIED = frozenset(
 )
 # The first and the longest wait between two attempts of a read (doubled each time).
 BACKOFF_S = (0.1, 5.0)
+# An attempt that ran this long before it failed had reached its datastore (see `_Retry`).
+SETTLED_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +117,19 @@ async def _batches(replies: AsyncIterable[T], most: int, linger_s: float) -> Asy
 
 
 class _Retry:
-    """Attempts of one read: the backoff between them, and how long they have failed since the
-    last that made progress."""
+    """Attempts of one read: the backoff between them, and how long they have failed. An attempt
+    that ran `SETTLED_S` before it failed had reached its datastore: the next failure starts a
+    new count (a long poll or an idle stream reports no progress of its own)."""
 
     def __init__(self, what: str, give_up_s: float) -> None:
         self._what = what
         self._give_up_s = give_up_s
         self._failing_since: float | None = None
+        self._attempt_started = time.monotonic()
         self._delay_s = BACKOFF_S[0]
 
-    @property
-    def failing(self) -> bool:
-        return self._failing_since is not None
+    def attempting(self) -> None:
+        self._attempt_started = time.monotonic()
 
     def progressed(self) -> None:
         if self._failing_since is not None:
@@ -139,6 +143,8 @@ class _Retry:
         if error.code() not in RETRIED:
             raise error
         now = time.monotonic()
+        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED and now - self._attempt_started >= SETTLED_S:
+            self.progressed()  # (an attempt that ran out of time had no answer: no progress)
         if self._failing_since is None:
             self._failing_since = now
             log.warning("%s: %s (%s), trying again", self._what, error.code().name, error.details())
@@ -148,15 +154,25 @@ class _Retry:
         self._delay_s = min(2 * self._delay_s, BACKOFF_S[1])
 
 
+@dataclass
+class _Listed:
+    """A trial the feed knows of: the datastores that listed it, and whether it was read."""
+
+    by: set[str] = field(default_factory=set)
+    read: bool = False
+
+
 class DatastoreFeed:
     """Feeds `buffer` from the datastores `endpoints` lists (one, or every replica a directory
     lists, asked again every `refresh_s`), on the feeds' event loop, until `stop`.
 
     Each datastore's listing is followed; a trial is read once, from the datastore that listed
     it first (replicas of one database all list it). A read that fails with the datastore away
-    goes on where it stopped, from another replica if there is one, with backoff; the buffer
-    fails (its next call raises) once every attempt has failed for `timeout_s`, or at once for
-    any other failure."""
+    goes on where it stopped, from another replica if there is one, with backoff. The buffer
+    fails (its next call raises) once every attempt of a read has failed for `timeout_s`, once
+    no datastore can be followed for that long, or at once for any other failure. A datastore
+    the directory stops listing is followed while it answers; one followed again resumes where
+    its listing was."""
 
     def __init__(
         self,
@@ -185,11 +201,15 @@ class DatastoreFeed:
         self._started = threading.Event()
         self._stopped = threading.Event()
         self._main: asyncio.Task[None] | None = None
+        self._room: asyncio.Event | None = None  # set by the buffer when samples make room
         self._clients: dict[str, DatastoreClient] = {}
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._handles: dict[str, str] = {}  # where each datastore's listing was followed to
         self._trials: set[asyncio.Task[None]] = set()
-        self._seen: set[str] = set()  # trials read (or being read)
+        # Trials listed, until read and listed by every datastore known (none lists it again).
+        self._listed: dict[str, _Listed] = {}
         self._matched = False  # a trial had selected actors
+        self.unmatched: str | None = None  # until then, why the last trial had none
 
     def start(self) -> None:
         """Once the trials to follow are known: every trial created from now on is fed."""
@@ -204,7 +224,14 @@ class DatastoreFeed:
             self._stopped.wait()
 
     def _create(self) -> None:
-        self._main = asyncio.get_running_loop().create_task(self._feed(), name="replay-feed")
+        loop = asyncio.get_running_loop()
+        room = self._room = asyncio.Event()
+
+        def made_room() -> None:
+            loop.call_soon_threadsafe(room.set)
+
+        self._buffer.on_change(made_room)
+        self._main = loop.create_task(self._feed(), name="replay-feed")
         self._main.add_done_callback(self._ended)
 
     def _ended(self, _: asyncio.Task[None]) -> None:
@@ -230,18 +257,28 @@ class DatastoreFeed:
             await asyncio.gather(*(client.close() for client in self._clients.values()))
 
     async def _start(self) -> None:
-        """Follow each datastore from where its listing ends now, and read the trials to
-        backfill: the latest stored ones whose selected actors' steps fill the capacity (read
-        together: when they overshoot it, the oldest steps of each leave first)."""
+        """Follow each datastore that answers from where its listing ends now, and read the
+        trials to backfill: the latest stored ones whose selected actors' steps fill the
+        capacity (read together: when they overshoot it, the oldest steps of each leave first)."""
         endpoints = await self._endpoints()
         if not endpoints:
             raise ClientError("no trial datastore is listed: nothing to follow")
         listed: dict[str, tuple[trial_datastore_pb2.StoredTrialInfo, str]] = {}
+        listed_by: dict[str, set[str]] = {}
         for endpoint in endpoints:
-            handle, infos = await self._listing(endpoint)
+            try:
+                handle, infos = await self._listing(endpoint)
+            except grpc.aio.AioRpcError as error:
+                if len(endpoints) == 1:
+                    raise
+                log.warning("the replay feed cannot follow %s yet: %s", endpoint, error.code().name)
+                continue
             self._start_follower(endpoint, handle)
             for info in infos:
                 listed.setdefault(info.trial_id, (info, endpoint))
+                listed_by.setdefault(info.trial_id, set()).add(endpoint)
+        if not self._followers:
+            raise ClientError(f"none of the trial datastores listed can be reached: {', '.join(endpoints)}")
         backlog: list[tuple[trial_datastore_pb2.StoredTrialInfo, str]] = []
         steps = 0
         for info, endpoint in reversed(listed.values()):
@@ -256,6 +293,7 @@ class DatastoreFeed:
             closed.update(trial_id for trial_id, status in (statuses or {}).items() if status.closed)
         for info, endpoint in reversed(backlog):
             self._read(info, endpoint, closed=info.trial_id in closed)
+            self._listed[info.trial_id].by |= listed_by[info.trial_id]
 
     async def _listing(self, endpoint: str) -> tuple[str, list[trial_datastore_pb2.StoredTrialInfo]]:
         """Where `endpoint`'s listing ends, and its trials if backfilling."""
@@ -269,24 +307,28 @@ class DatastoreFeed:
                 return handle, listed
 
     async def _refresh(self) -> None:
-        """Follow the datastores listed now, from where their listings end, and no others."""
+        """Follow the datastores listed now that are not followed: from where their listing was
+        followed to, or (new ones) from where it ends. Those no longer listed are followed while
+        they answer; one whose follower stopped is forgotten."""
         try:
             endpoints = await self._endpoints()
         except ClientError as error:
             log.warning("the replay feed keeps its datastores: %s", error)
             return
-        for endpoint in set(self._followers) - set(endpoints):
-            log.info("the replay feed stops following %s: no longer listed", endpoint)
-            self._followers.pop(endpoint).cancel()
+        for endpoint in set(self._handles) - set(self._followers) - set(endpoints):
+            self._forget_datastore(endpoint)
         for endpoint in endpoints:
-            if endpoint not in self._followers:
+            if endpoint in self._followers:
+                continue
+            handle = self._handles.get(endpoint)
+            if handle is None:
                 try:
                     handle, _ = await self._listing(endpoint)
                 except grpc.aio.AioRpcError as error:
                     log.warning("the replay feed cannot follow %s yet: %s", endpoint, error.code().name)
                     continue
-                log.info("the replay feed follows %s", endpoint)
-                self._start_follower(endpoint, handle)
+            log.info("the replay feed follows %s", endpoint)
+            self._start_follower(endpoint, handle)
 
     def _client(self, endpoint: str) -> DatastoreClient:
         if endpoint not in self._clients:
@@ -294,19 +336,21 @@ class DatastoreFeed:
         return self._clients[endpoint]
 
     def _start_follower(self, endpoint: str, handle: str) -> None:
-        task = asyncio.create_task(self._follow(endpoint, handle), name=f"replay-follow-{endpoint}")
+        self._handles[endpoint] = handle
+        task = asyncio.create_task(self._follow(endpoint), name=f"replay-follow-{endpoint}")
         self._followers[endpoint] = task
         task.add_done_callback(lambda done: self._follower_done(endpoint, done))
 
-    async def _follow(self, endpoint: str, handle: str) -> None:
-        """Read each trial `endpoint` lists after `handle` that no other datastore listed first."""
+    async def _follow(self, endpoint: str) -> None:
+        """Read each trial `endpoint` lists after its handle that no other datastore listed first."""
         retry = _Retry(f"following the trials of {endpoint}", self._timeout_s)
         while True:
+            retry.attempting()
             try:
                 reply = await self._client(endpoint).stub.RetrieveTrials(
                     trial_datastore_pb2.RetrieveTrialsRequest(
                         trials_count=1,
-                        trial_handle=handle,
+                        trial_handle=self._handles[endpoint],
                         timeout=FOLLOW_WAIT_MS,
                         properties=self._properties,
                     ),
@@ -316,32 +360,54 @@ class DatastoreFeed:
                 await retry.failed(error)
                 continue
             retry.progressed()
-            handle = reply.next_trial_handle or handle
+            self._handles[endpoint] = reply.next_trial_handle or self._handles[endpoint]
             for info in reply.trial_infos:
                 self._read(info, endpoint, closed=False)
 
     def _follower_done(self, endpoint: str, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or (error := task.exception()) is None:
-            return
         if self._followers.get(endpoint) is task:
             del self._followers[endpoint]
-        if self._followers:  # (listed again later, it is followed again)
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        if self._followers:  # (listed again later, it is followed again from its handle)
             log.warning("the replay feed stops following %s: %s", endpoint, error)
         else:
             self._fail(error)
 
     def _read(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str, *, closed: bool) -> None:
-        if info.trial_id in self._seen:
-            return
-        self._seen.add(info.trial_id)
-        task = asyncio.create_task(self._trial(info, endpoint, closed), name=f"replay-{info.trial_id}")
-        self._trials.add(task)
-        task.add_done_callback(self._trials.discard)
-        task.add_done_callback(self._trial_done)
+        """Read a trial `endpoint` listed, unless another datastore listed it first."""
+        listed = self._listed.get(info.trial_id)
+        if listed is None:
+            self._listed[info.trial_id] = _Listed({endpoint})
+            task = asyncio.create_task(self._trial(info, endpoint, closed), name=f"replay-{info.trial_id}")
+            self._trials.add(task)
+            task.add_done_callback(self._trials.discard)
+            task.add_done_callback(lambda done: self._trial_done(info.trial_id, done))
+        else:
+            listed.by.add(endpoint)
+            self._forget_if_over(info.trial_id)
 
-    def _trial_done(self, task: asyncio.Task[None]) -> None:
+    def _trial_done(self, trial_id: str, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
             self._fail(error)
+            return
+        if trial_id in self._listed:
+            self._listed[trial_id].read = True
+            self._forget_if_over(trial_id)
+
+    def _forget_if_over(self, trial_id: str) -> None:
+        """Forget a trial once it was read and every datastore known listed it."""
+        listed = self._listed[trial_id]
+        if listed.read and listed.by >= set(self._handles):
+            del self._listed[trial_id]
+
+    def _forget_datastore(self, endpoint: str) -> None:
+        """A datastore neither listed nor followed: it starts again from its listing's end if it
+        comes back, and its trials are not waited for."""
+        log.info("the replay feed forgets %s: no longer listed", endpoint)
+        del self._handles[endpoint]
+        for trial_id in list(self._listed):
+            self._forget_if_over(trial_id)
 
     def _fail(self, error: BaseException) -> None:
         self._failed(error)
@@ -357,16 +423,16 @@ class DatastoreFeed:
     async def _trial(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str, closed: bool) -> None:
         actors = self._actors.indices(info.params)
         if not actors:
-            # Until a trial had selected actors, a trial without is a mistake in the selection
-            # (after, one of another kind: `trial_properties` can leave those out).
-            if not self._matched:
-                raise ValueError(self._actors.selects_none_of(info.trial_id, info.params))
+            if not self._matched:  # a mistake in the selection, or a trial of another kind
+                self.unmatched = self._actors.selects_none_of(info.trial_id, info.params)
+                log.warning("%s: it is skipped", self.unmatched)
             return
         self._matched = True
         trial = LiveTrial(info.trial_id, actors, info.last_state)
         read = 0  # samples in the buffer: a read that failed goes on after them
         retry = _Retry(f"reading trial {info.trial_id}", self._timeout_s)
         while True:
+            retry.attempting()
             try:
                 async for samples in self._samples(self._client(endpoint), info.trial_id, closed, read):
                     retry.progressed()
@@ -387,12 +453,20 @@ class DatastoreFeed:
         return next((other for other in others if other > endpoint), others[0] if others else endpoint)
 
     async def _add(self, trial: LiveTrial, samples: Sequence[trial_datastore_pb2.StoredTrialSample]) -> None:
+        """Into the buffer within the rate limiter's room: a sample's actors go in together, so
+        they wait for room for all of them (or the most there can be)."""
+        assert self._room is not None
+        largest = self._buffer.largest_insert_room()
+        needed = len(trial.actors) if largest is None else max(1, min(len(trial.actors), largest))
         while samples:
-            room = self._buffer.insert_room()
-            if room == 0:  # waited for off the loop, which other feeds share
-                await asyncio.to_thread(self._buffer.wait_for_room)
+            waited_since = time.monotonic()
+            while True:
+                self._room.clear()  # before looking: a change after it sets it again
                 room = self._buffer.insert_room()
-            # Within the ratio's room: a sample's actors go in together, one sample at least.
+                if room is None or room >= needed:
+                    break
+                await self._room.wait()
+            self._buffer.inserts_waited(time.monotonic() - waited_since)
             count = len(samples) if room is None else max(1, room // len(trial.actors))
             trial.add(self._buffer, samples[:count], self._observations, self._actions)
             samples = samples[count:]
@@ -412,7 +486,7 @@ class DatastoreFeed:
                 first = reply.first + len(reply.samples)
                 if not reply.samples or first >= reply.samples_count:
                     return
-            # (None: the first call, since a datastore serves ranges or not.)
+            # (None: the first call, since a datastore serves ranges or not; `skip` is still 0.)
         call = client.stub.RetrieveSamples(trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=[trial_id]))
         try:
             async for replies in _batches(call, BATCH_SAMPLES, LINGER_S):
