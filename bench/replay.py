@@ -108,9 +108,9 @@ async def range_seconds(address: str, ids: Sequence[str]) -> float:
     async with DatastoreClient(f"grpc://{address}") as client:
 
         async def one(trial_id: str) -> None:
-            first = 0
-            while (reply := await client.sample_range(trial_id, first, RANGE_SAMPLES)) and reply.samples:
-                first = reply.first + len(reply.samples)
+            first, count = 0, 1
+            while first < count and (reply := await client.sample_range(trial_id, first, RANGE_SAMPLES)):
+                first, count = reply.first + len(reply.samples), reply.samples_count
 
         started = time.perf_counter()
         await asyncio.gather(*map(one, ids))

@@ -4,9 +4,9 @@ samples-per-insert ratio kept within an error buffer.
 
 With a ratio, `diff = inserts * samples_per_insert - samples` stays within
 `[offset - error_buffer, offset + error_buffer]`, `offset = samples_per_insert * min_size`: an
-insert that would take it over waits for samples (here: the buffer reads no further from the
-datastore, whose samples stay stored), a sample that would take it under waits for inserts. A
-batch of n transitions counts as n samples.
+insert that would take it over waits for samples (here: the feed puts no more steps in, its
+samples stay stored), a sample that would take it under waits for inserts. A batch of n
+transitions counts as n samples.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""A replay buffer fed by a datastore: trials followed as they start (`RetrieveTrials`, waiting for
-the next), each trial's samples as they are committed (`RetrieveSamples`), turned into the
-selected actors' steps with the Parquet dataset's conventions (docs/training-data.md): one step
-per actor and tick, a late reward added to the step of the tick it names, a trial's last step
-terminal if it ended.
+"""A replay buffer fed by datastores: trials followed as they are created (`RetrieveTrials`,
+waiting for the next) on one datastore or every replica a directory lists, each trial read once:
+a closed one by ranges (`RetrieveSampleRange`), a running one as its samples are committed
+(`RetrieveSamples`), turned into the selected actors' steps by `replay_steps`.
 
-Feeds run on an event loop of their own in a thread of their own, so that the training loop's
-`sample()` stays synchronous; a failure (the datastore away, a decoder raising) is handed to the
-buffer, whose next call raises it.
+Every feed of the process runs on one event loop in a thread of its own, so that the training
+loop's `sample()` stays synchronous; a read that fails with its datastore away goes on elsewhere,
+and a failure that lasts or cannot pass (a decoder raising) is handed to the buffer, whose next
+call raises it.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class LiveTrial:
         ):
             return
         for index, held in self.held.items():
-            # (The feed waited for room before the samples: their steps go in together.)
+            # (The feed waited for room for these samples' steps: they go in together.)
             buffer.extend(
                 (self.trial_id, index),
                 observations.values(held.observations),
