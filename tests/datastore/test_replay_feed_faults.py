@@ -12,14 +12,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from services.datastore.client import replay_feed
 from services.datastore.client.replay_buffer import ReplayBuffer
 from services.datastore.client.replay_feed import DatastoreFeed
 from services.datastore.client.replay_steps import ActorSelection
 from shared.api import common_pb2, datalog_pb2, directory_pb2
 from tests.helpers.datastore import (
+    datalog_inputs,
     datalog_sample,
     run_datalog,
+    send_acknowledged,
     trial_params,
 )
 from tests.helpers.directory import register_ok
@@ -29,6 +33,7 @@ from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.running import (
     RunningDatastore,
     RunningDirectory,
+    make_datastore_factory,
     make_directory_factory,
 )
 
@@ -259,6 +264,47 @@ async def test_a_trial_of_another_kind_first_does_not_fail_a_selection_later_tri
         await fed(buffer, 2 * 3)  # alice and bob of "mine"
     finally:
         await asyncio.to_thread(buffer.close)
+
+
+async def test_a_read_from_a_replica_that_stops_answering_goes_on_from_another(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that vanishes without closing its connections (a partition, a node lost): a
+    running trial's stream has no deadline, but the replica's follower's long poll has; once it
+    gives the replica up, the read goes on from the other, after the samples already in."""
+    monkeypatch.setattr(replay_feed, "FOLLOW_WAIT_MS", 500)
+    start = make_datastore_factory(postgres_url)
+    async with (
+        start() as first,
+        start() as second,
+        FaultProxy(first.service.port or 0, postgres=False) as proxy,
+    ):
+        listed = [f"grpc://127.0.0.1:{proxy.port}"]
+
+        async def endpoints() -> list[str]:
+            return list(listed)
+
+        buffer = ReplayBuffer(1000)
+        feed = DatastoreFeed(buffer, endpoints, refresh_s=0.05, actors=ActorSelection(), timeout_s=1.0)
+        buffer._feed = feed
+        await asyncio.to_thread(feed.start)
+        try:
+            call = first.datalog.RunTrialDatalog(metadata=(("trial-id", "partitioned"),))
+            # Bob is given 1 at each tick: a sample read twice would count as a late reward.
+            samples = [datalog_sample(tick, reward=1.0) for tick in range(20)]
+            inputs = datalog_inputs(trial_params(), [*samples, datalog_sample(20, common_pb2.ENDED)])
+            await send_acknowledged(call, inputs[:11])  # ticks 0 to 9, read through the proxy
+            await fed(buffer, ACTORS * 9)
+            listed.append(endpoint(second))
+            await until(lambda: endpoint(second) in feed._followers, "the second replica followed")
+            proxy.blackhole()
+            await send_acknowledged(call, inputs[11:])
+            await call.done_writing()
+            await fed(buffer, ACTORS * 20, wait_s=30.0)
+            assert buffer._steps.column("reward").sum() == 20  # every step once (the others: 0)
+            assert not buffer.stats()["live_episodes"]
+        finally:
+            await asyncio.to_thread(buffer.close)
 
 
 HELD_AT_EXIT = """

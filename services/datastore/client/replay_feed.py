@@ -206,6 +206,7 @@ class DatastoreFeed:
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._handles: dict[str, str] = {}  # where each datastore's listing was followed to
         self._trials: set[asyncio.Task[None]] = set()
+        self._reads: dict[str, set[asyncio.Task[None]]] = {}  # attempts reading from each datastore
         # Trials listed, until read and listed by every datastore known (none lists it again).
         self._listed: dict[str, _Listed] = {}
         self._matched = False  # a trial had selected actors
@@ -371,6 +372,10 @@ class DatastoreFeed:
             return
         if self._followers:  # (listed again later, it is followed again from its handle)
             log.warning("the replay feed stops following %s: %s", endpoint, error)
+            # Its reads may wait for ever on a datastore gone without closing its connections
+            # (a node lost: a running trial's stream has no deadline): they go on elsewhere.
+            for attempt in self._reads.get(endpoint, ()):
+                attempt.cancel()
         else:
             self._fail(error)
 
@@ -429,23 +434,38 @@ class DatastoreFeed:
             return
         self._matched = True
         trial = LiveTrial(info.trial_id, actors, info.last_state)
-        read = 0  # samples in the buffer: a read that failed goes on after them
         retry = _Retry(f"reading trial {info.trial_id}", self._timeout_s)
         while True:
             retry.attempting()
+            # An attempt of its own: given up on with its datastore (see `_follower_done`).
+            attempt = asyncio.create_task(self._read_from(endpoint, trial, closed, retry))
+            reads = self._reads.setdefault(endpoint, set())
+            reads.add(attempt)
             try:
-                async for samples in self._samples(self._client(endpoint), info.trial_id, closed, read):
-                    retry.progressed()
-                    await self._add(trial, samples)
-                    read += len(samples)
+                await attempt
                 break
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the feed stops
+                log.warning("reading trial %s again elsewhere: %s does not answer", info.trial_id, endpoint)
+                endpoint = self._another(endpoint)
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("trial %s was deleted while read: its steps end here", info.trial_id)
                     break
                 await retry.failed(error)
                 endpoint = self._another(endpoint)
+            finally:
+                reads.discard(attempt)
         trial.finish(self._buffer, self._observations, self._actions)
+
+    async def _read_from(self, endpoint: str, trial: LiveTrial, closed: bool, retry: _Retry) -> None:
+        """The trial's samples from `endpoint` into the buffer, after those already in it."""
+        samples_in = self._samples(self._client(endpoint), trial.trial_id, closed, trial.samples_read)
+        async for samples in samples_in:
+            retry.progressed()
+            await self._add(trial, samples)
 
     def _another(self, endpoint: str) -> str:
         """The next datastore followed after `endpoint`, to try a read again on."""

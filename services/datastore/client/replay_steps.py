@@ -113,6 +113,7 @@ class LiveTrial:
     positions: dict[int, int] = field(default_factory=dict)  # tick -> position in the episodes
     stored: int = 0
     held: dict[int, _HeldSteps] = field(default_factory=dict)
+    samples_read: int = 0  # (late ones too): a read that failed goes on after them
 
     def __post_init__(self) -> None:
         self.held = {index: _HeldSteps() for index in self.actors}
@@ -146,6 +147,7 @@ class LiveTrial:
                 )
                 held.actions.append(_payload(sample, actor.action) if actor.HasField("action") else None)
                 held.rewards.append(actor.reward if actor.HasField("reward") else 0.0)
+        self.samples_read += len(samples)
         self._store(buffer, observations, actions)
 
     def finish(self, buffer: ReplayBuffer, observations: DecodedColumn, actions: DecodedColumn) -> None:
