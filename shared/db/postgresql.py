@@ -18,7 +18,7 @@ import functools
 import json
 import os
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -130,6 +130,11 @@ class PostgresqlDialect(Dialect):
         self._prober = _direct_thread(self.conninfo, "postgresql-probe")
 
     async def fetch(
+        self, statement: Executable, parameters: Mapping[str, Any] | None
+    ) -> Sequence[Sequence[Any]]:
+        return await _cancelled_once(self._fetch(statement, parameters))
+
+    async def _fetch(
         self, statement: Executable, parameters: Mapping[str, Any] | None
     ) -> Sequence[Sequence[Any]]:
         async with self._autocommit.connect() as connection:
@@ -308,6 +313,26 @@ class _Listener(Hearing):
 async def _answered(connection: psycopg.AsyncConnection[Any], sql: str) -> None:
     """`sql` on the listening connection, failing if it is not answered within CONNECT_TIMEOUT_S."""
     await _within(connection.execute(sql), connection, CONNECT_TIMEOUT_S)
+
+
+async def _cancelled_once(work: Coroutine[Any, Any, T]) -> T:
+    """`work`, which holds a pooled connection, in a task of its own that a cancellation of the
+    caller cancels once. A second cancellation (gRPC can cancel a handler twice: the call, then
+    the server stopping) interrupted the connection's way back to its pool, which SQLAlchemy
+    then dropped with a warning when garbage collected."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(_outcome_seen)
+        raise
+
+
+def _outcome_seen(task: asyncio.Future[Any]) -> None:
+    """The caller has gone: its work's failure, if any, interests nobody (no "never retrieved")."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _within(call: Awaitable[T], connection: Any, deadline_s: float) -> T:
