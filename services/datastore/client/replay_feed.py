@@ -12,10 +12,19 @@ call raises it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -463,9 +472,10 @@ class DatastoreFeed:
     async def _read_from(self, endpoint: str, trial: LiveTrial, closed: bool, retry: _Retry) -> None:
         """The trial's samples from `endpoint` into the buffer, after those already in it."""
         samples_in = self._samples(self._client(endpoint), trial.trial_id, closed, trial.samples_read)
-        async for samples in samples_in:
-            retry.progressed()
-            await self._add(trial, samples)
+        async with contextlib.aclosing(samples_in):  # its stream and reader stop with the read
+            async for samples in samples_in:
+                retry.progressed()
+                await self._add(trial, samples)
 
     def _another(self, endpoint: str) -> str:
         """The next datastore followed after `endpoint`, to try a read again on."""
@@ -493,7 +503,7 @@ class DatastoreFeed:
 
     async def _samples(
         self, client: DatastoreClient, trial_id: str, closed: bool, skip: int
-    ) -> AsyncIterator[Sequence[trial_datastore_pb2.StoredTrialSample]]:
+    ) -> AsyncGenerator[Sequence[trial_datastore_pb2.StoredTrialSample], None]:
         """The trial's samples in stored order after the first `skip`, in lists. A closed
         trial's in ranges of up to `RANGE_SAMPLES` (`RetrieveSampleRange`: a reply costs about
         what one sample of a stream does); the others as they are committed
