@@ -10,6 +10,9 @@ first CPU and this process (the buffer, its feed, the client) to the others:
    from the first datalog message to the last transition, against the ingestion's own rate.
    Also against the datastore's replay rate (below): the issue's target is 0.8 of it, which a
    live feed cannot pass when ingestion is slower than replay, as it is here.
+   The live path's own speed, not bounded by ingestion: trials stored but for their last sample,
+   their datalog streams held open (running), read by a new buffer's backfill through
+   `RetrieveSamples` as it reads running trials: transitions per second against the replay rate.
 2. Backfill: a new buffer loads the same, now stored, trials (`backfill=True`): transitions per
    second, against the datastore's replay of the same samples (one RetrieveSamples per trial, all
    at once), in transitions per second of the same samples (the issue's target: 0.8 at least);
@@ -35,7 +38,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +118,46 @@ async def range_seconds(address: str, ids: Sequence[str]) -> float:
         started = time.perf_counter()
         await asyncio.gather(*map(one, ids))
         return time.perf_counter() - started
+
+
+async def catch_up_seconds(
+    address: str, ids: Sequence[str], streams: Sequence[list[bytes]], actors: int
+) -> float:
+    """The live path at full speed: trials whose samples are all stored but the last (their
+    datalog streams held open, so they are running), and a new buffer that backfills them through
+    `RetrieveSamples` as it follows running trials: seconds until it holds their transitions."""
+    release = asyncio.Event()
+
+    async def held_open(frames: list[bytes]) -> AsyncIterator[bytes]:
+        for frame in frames[:-1]:
+            yield frame
+        await release.wait()
+        yield frames[-1]
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        method = channel.stream_stream(RUN_TRIAL_DATALOG)
+        calls = [
+            method(held_open(frames), metadata=(("trial-id", trial_id),))
+            for trial_id, frames in zip(ids, streams, strict=True)
+        ]
+        for call, frames in zip(calls, streams, strict=True):
+            for _ in frames[:-1]:
+                await call.read()  # all stored but the last
+        # Each trial's last step stored has no next step yet: (ticks - 2) transitions per actor.
+        expected = sum(len(frames) - 3 for frames in streams) * actors
+        # A capacity of their steps: the backfill takes these trials, not the older (closed) ones.
+        steps = sum(len(frames) - 2 for frames in streams) * actors
+        started = time.perf_counter()
+        buffer = await asyncio.to_thread(feed, address, capacity=steps, backfill=True)
+        try:
+            held = await asyncio.to_thread(wait_for, buffer, expected)
+        finally:
+            await asyncio.to_thread(buffer.close)
+        release.set()
+        for call in calls:
+            while await call.read() != grpc.aio.EOF:  # the last acknowledgement
+                pass
+        return held - started
 
 
 async def paced(address: str, trial_id: str, frames: list[bytes], rate: float) -> list[float]:
@@ -247,6 +290,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         started = time.perf_counter()
         with feed(datastore.address, capacity=2 * transitions, backfill=True) as buffer:
             backfill_s.append(wait_for(buffer, transitions) - started)
+    print("the live path catching up...", file=sys.stderr)
+    held_ids = trial_ids(f"replay-{args.seed}-held", "datastore", 0, workload.trials)
+    catch_up_s = asyncio.run(catch_up_seconds(datastore.address, held_ids, streams, workload.actors))
+    caught_up = workload.trials * workload.actors * (workload.ticks - 2)
+    report["live_catch_up"] = {
+        "transitions_per_s": round(caught_up / catch_up_s, 1),
+        "ratio": round(replay_s / transitions * caught_up / catch_up_s, 3),
+    }
     report["live"] = {
         "transitions_per_s": round(transitions / live_s, 1),
         "ingested_transitions_per_s": round(transitions / ingest_s, 1),
@@ -297,6 +348,8 @@ def print_summary(report: dict[str, Any]) -> None:
         f"live feed      {fmt(live['transitions_per_s'])} transitions/s while ingestion ran at "
         f"{fmt(live['ingested_transitions_per_s'])}/s: ratio {live['ratio_to_ingestion']} to ingestion, "
         f"{live['ratio_to_replay']} to the datastore's replay (target >= 0.8)\n"
+        f"live catch-up  {fmt(report['live_catch_up']['transitions_per_s'])} transitions/s through the "
+        f"live path: ratio {report['live_catch_up']['ratio']} to the datastore's replay (target >= 0.8)\n"
         f"backfill       {fmt(backfill['transitions_per_s'])} transitions/s, the datastore's replay "
         f"{fmt(backfill['replay_transitions_per_s'])}/s: ratio {backfill['ratio']} (target >= 0.8); "
         f"its ranges {fmt(backfill['range_transitions_per_s'])}/s: ratio {backfill['ratio_to_ranges']}\n"
