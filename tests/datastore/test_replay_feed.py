@@ -29,19 +29,15 @@ from tests.helpers.datastore import (
 from tests.helpers.directory import register_ok
 from tests.helpers.directory import request as register_request
 from tests.helpers.fake_services import free_port
+from tests.helpers.replay import directory_entries, endpoint, held_buffer
 from tests.helpers.running import (
     DatastoreFactory,
     RunningDatastore,
-    RunningDirectory,
     make_datastore_factory,
     make_directory_factory,
 )
 
 WAIT_S = 10.0
-
-
-def endpoint(d: RunningDatastore) -> str:
-    return f"grpc://127.0.0.1:{d.service.port}"
 
 
 async def transitions(buffer: ReplayBuffer, count: int) -> None:
@@ -50,13 +46,6 @@ async def transitions(buffer: ReplayBuffer, count: int) -> None:
     while len(buffer) != count:
         assert time.monotonic() < deadline, f"not in time: {buffer.stats()}"
         await asyncio.sleep(0.02)
-
-
-async def directory_entries(directory: RunningDirectory) -> list[directory_pb2.FullServiceData]:
-    inquiry = directory_pb2.InquireRequest(
-        details=directory_pb2.ServiceDetails(type=directory_pb2.DATASTORE_SERVICE)
-    )
-    return [reply.data async for reply in directory.stub.Inquire(inquiry)]
 
 
 def by_observation(batch: dict[str, np.ndarray]) -> list[tuple[object, ...]]:
@@ -244,13 +233,7 @@ async def test_a_buffer_following_one_replica_gets_every_transition_another_inge
 
 async def test_a_buffer_held_back_by_its_ratio_holds_no_other_back(datastore: RunningDatastore) -> None:
     """Feeds share one event loop: the held one waits for room off it."""
-    held = await asyncio.to_thread(
-        ReplayBuffer.from_datastore,
-        endpoint(datastore),
-        capacity=1000,
-        samples_per_insert=1.0,
-        error_buffer=1.0,
-    )
+    held = await held_buffer(datastore)
     free = await asyncio.to_thread(ReplayBuffer.from_datastore, endpoint(datastore), capacity=1000)
     try:
         await run_datalog(datastore, "t", [datalog_sample(tick) for tick in range(20)])

@@ -30,9 +30,9 @@ from tests.helpers.directory import register_ok
 from tests.helpers.directory import request as register_request
 from tests.helpers.fake_services import free_port
 from tests.helpers.fault_proxy import FaultProxy
+from tests.helpers.replay import directory_entries, endpoint, held_buffer
 from tests.helpers.running import (
     RunningDatastore,
-    RunningDirectory,
     make_datastore_factory,
     make_directory_factory,
 )
@@ -40,10 +40,6 @@ from tests.helpers.running import (
 WAIT_S = 10.0
 ROOT = Path(__file__).resolve().parents[2]
 ACTORS = 3  # trial_params(): alice, bob, carol
-
-
-def endpoint(d: RunningDatastore) -> str:
-    return f"grpc://127.0.0.1:{d.service.port}"
 
 
 def ticks(count: int, *, ended: bool = True) -> list[datalog_pb2.DatalogSample]:
@@ -67,13 +63,6 @@ async def fed(buffer: ReplayBuffer, count: int, wait_s: float = WAIT_S) -> None:
         assert time.monotonic() < deadline, f"not in time: {buffer.stats()}"
         await asyncio.sleep(0.02)
     assert len(buffer) == count, buffer.stats()
-
-
-async def directory_entries(directory: RunningDirectory) -> list[directory_pb2.FullServiceData]:
-    inquiry = directory_pb2.InquireRequest(
-        details=directory_pb2.ServiceDetails(type=directory_pb2.DATASTORE_SERVICE)
-    )
-    return [reply.data async for reply in directory.stub.Inquire(inquiry)]
 
 
 def executor_threads() -> int:
@@ -124,13 +113,7 @@ async def test_a_buffer_held_by_its_ratio_does_not_take_the_threads_another_buff
 ) -> None:
     """A held buffer's trials wait for room on the feeds' loop, not in its executor's threads:
     as many of them as it has threads hold no other buffer back."""
-    held = await asyncio.to_thread(
-        ReplayBuffer.from_datastore,
-        endpoint(datastore),
-        capacity=1000,
-        samples_per_insert=1.0,
-        error_buffer=1.0,
-    )
+    held = await held_buffer(datastore)
     sampled: ReplayBuffer | None = None
     feed = held._feed
     assert feed is not None
@@ -141,13 +124,7 @@ async def test_a_buffer_held_by_its_ratio_does_not_take_the_threads_another_buff
         # Each of its trials waits for room.
         await until(lambda: len(feed._trials) == threads, "the held buffer's trials are read")
         await asyncio.sleep(0.5)
-        sampled = await asyncio.to_thread(
-            ReplayBuffer.from_datastore,
-            endpoint(datastore),
-            capacity=1000,
-            samples_per_insert=1.0,
-            error_buffer=1.0,
-        )
+        sampled = await held_buffer(datastore)
         await run_datalog(datastore, "s", ticks(20))  # 57 transitions: room for 57 samples
         for _ in range(20):
             await asyncio.to_thread(sampled.sample, 1, 5.0)  # TimeoutError after 3
