@@ -280,11 +280,12 @@ class FollowedIndex:
         """A new entry this replica just committed, put in as written: only for an entry nobody
         else can have changed since, which the store does not mark as changed here (see
         Directory.register and DirectoryStore.add)."""
-        if not self.current:
-            return  # the reload to come reads it
-        self.index.put(row)
         if self._reloading:
-            self._new[row.entry.service_id] = row  # the reload may have read its rows before
+            # The reload under way (the first load, say) may have read its rows before: it keeps
+            # the entry. A reload still to come reads it.
+            self._new[row.entry.service_id] = row
+        if self.current:
+            self.index.put(row)
 
     # ---- the applier ----
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import time
@@ -202,3 +203,39 @@ def test_the_generation_changes_with_what_an_answer_shows_only() -> None:
         generation = index.generation
     index.discard(7)
     assert index.generation > generation
+
+
+async def test_an_entry_written_during_the_first_load_is_in_the_loaded_index(tmp_path: Path) -> None:
+    """The first load may read the table before a new entry commits, and the new entry's key is
+    not told to this replica (Directory.register puts it in as written): the load keeps it."""
+    database = Database(f"sqlite+aiosqlite:///{tmp_path / 'index.db'}")
+    await database.migrate()
+    read, release = asyncio.Event(), asyncio.Event()
+
+    class HeldStore(DirectoryStore):
+        async def all_index_rows(self) -> AsyncIterator[list[IndexRow]]:
+            async for rows in super().all_index_rows():
+                yield rows
+            read.set()
+            await release.wait()  # the table is read; the load has not finished
+
+    store = HeldStore(database)
+    index = FollowedIndex(store, listening=True)
+    index.start()
+    try:
+        await read.wait()
+        assert not index.current
+        registration = Registration(Endpoint(COGMENT, "127.0.0.1", 1), 3, {}, permanent=False)
+        registered_at = time.time_ns()
+        service_id, _, _ = await store.add(registration, "t", registered_at)
+        entry = Entry(service_id, registration.endpoint, 3, {}, permanent=False, registered_at=registered_at)
+        index.put_new(IndexRow(entry, "t", visible=True))
+        release.set()
+        await eventually(lambda: index.current, "the index to load")
+        assert [found.service_id for found in index.index.matches(Inquiry(service_id=service_id), "t")] == [
+            service_id
+        ]
+    finally:
+        release.set()
+        await index.stop()
+        await database.close()
