@@ -1,21 +1,38 @@
-"""A read cancelled twice (gRPC can cancel a handler twice: the call, then the server stopping)
-gives its connection back to the pool: none is left for the garbage collector, which SQLAlchemy
-warns of."""
+"""A read or a write transaction cancelled twice (gRPC can cancel a handler twice: the call, then
+the server stopping) gives its connection back to the pool: none is left for the garbage
+collector, which SQLAlchemy warns of."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import warnings
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import pytest
 from sqlalchemy import text
 
-from shared.db import Database
+from shared.db import Database, Transaction
 
 SLOW = {"sqlite": "SELECT count(*) FROM sqlite_master", "postgresql": "SELECT pg_sleep(0.01)"}
 
 
-async def test_a_read_cancelled_twice_gives_its_connection_back(database_url: str) -> None:
+def read(database: Database, statement: Any) -> Awaitable[Any]:
+    return database.fetch(statement)
+
+
+def write(database: Database, statement: Any) -> Awaitable[Any]:
+    def work(transaction: Transaction) -> None:
+        transaction.connection.execute(statement)
+
+    return database.write(work)
+
+
+@pytest.mark.parametrize("call", [read, write])
+async def test_a_call_cancelled_twice_gives_its_connection_back(
+    database_url: str, call: Callable[[Database, Any], Awaitable[Any]]
+) -> None:
     database = Database(database_url, pool_size=2)
     await database.migrate()
     try:
@@ -23,13 +40,13 @@ async def test_a_read_cancelled_twice_gives_its_connection_back(database_url: st
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for delay in [0.0, 0.0005, 0.001, 0.002, 0.005, 0.01] * 4:
-                read = asyncio.create_task(database.fetch(statement))
+                task = asyncio.ensure_future(call(database, statement))
                 await asyncio.sleep(delay)
-                read.cancel()
+                task.cancel()
                 await asyncio.sleep(0)
-                read.cancel()
-                await asyncio.gather(read, return_exceptions=True)
-            await asyncio.sleep(0.2)  # the reads cancelled are over
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(0.2)  # the calls cancelled are over
             gc.collect()
         assert not [str(warning.message) for warning in caught if "non-checked-in" in str(warning.message)]
         assert await database.fetch(text("SELECT 1")) == [(1,)]
