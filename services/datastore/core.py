@@ -20,7 +20,7 @@ from services.datastore.batcher import SampleBatcher
 from services.datastore.conversion import DatalogConverter
 from services.datastore.ingestion import Ingestion
 from services.datastore.leases import IngestionLeases
-from services.datastore.model import NO_STATE, TrialCount, TrialRecord, TrialStatus
+from services.datastore.model import NO_STATE, SampleRange, TrialCount, TrialRecord, TrialStatus
 from services.datastore.sample_filter import SampleFilter
 from services.datastore.store import TRIALS_KEY, DatastoreStore, samples_key
 from shared.api import common_pb2, trial_datastore_pb2
@@ -162,24 +162,35 @@ class TrialDatastore:
         return await self.ride_out(self.store.count_trials)
 
     async def sample_range(
-        self, trial_id: str, first: int, count: int, tick: int | None = None
-    ) -> tuple[list[bytes], int, int]:
-        """Serialized StoredTrialSamples of the trial from position `first` on (with `tick`: from
-        the first of them of that tick), `count` at most (0: RANGE_DEFAULT_COUNT) and
-        RANGE_MAX_BYTES together unless one alone is larger; the position of the first answered,
-        and how many samples the trial has."""
+        self, trial_id: str, first: int, count: int, tick: int | None = None, timeout_ms: int = 0
+    ) -> SampleRange:
+        """The trial's samples from position `first` on (with `tick`: from the first of them of
+        that tick), `count` at most (0: RANGE_DEFAULT_COUNT) and RANGE_MAX_BYTES together unless
+        one alone is larger. With `timeout_ms`, when there is none yet and the trial is not
+        finished, waits up to that long for one (as `samples` follows a trial live)."""
         count = count or RANGE_DEFAULT_COUNT
         position = min(first, MAX_INT64_POSITION)  # past any trial's samples: none
         found = await self.ride_out(functools.partial(self.store.get_trials, [trial_id]))
         if trial_id not in found:
             raise NotFound(f'no trial "{quoted(trial_id)}" found')
         seq = found[trial_id].trial_seq
-        kept, start = await self._read_range(seq, position, count, tick)
-        progress = await self.ride_out(functools.partial(self.store.progress, seq))
-        if progress is None:
-            raise NotFound(f'trial "{quoted(trial_id)}" was deleted')
-        # Samples read may have been stored after the count was: never fewer than were read.
-        return kept, start, max(progress.samples_count, start + len(kept) if kept else 0)
+        deadline = time.monotonic() + timeout_ms / 1000
+        # Watched before reading: a sample committed after the read wakes the wait.
+        with self.feed.watch([samples_key(seq)]) as watch:
+            while True:
+                kept, start = await self._read_range(seq, position, count, tick)
+                progress = await self.ride_out(functools.partial(self.store.progress, seq))
+                if progress is None:
+                    raise NotFound(f'trial "{quoted(trial_id)}" was deleted')
+                # Samples read may have been stored after the count was: never fewer than were read.
+                stored = max(progress.samples_count, start + len(kept) if kept else 0)
+                finished = progress.ended or progress.closed
+                left = deadline - time.monotonic()
+                if kept or finished or left <= 0:
+                    return SampleRange(kept, start, stored, finished)
+                position = start  # where the reading stopped (a tick searched for: so far)
+                if position >= stored:  # else some came since the read: read again at once
+                    await watch.wait(left)
 
     async def _read_range(
         self, seq: int, first: int, count: int, tick: int | None

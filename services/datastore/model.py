@@ -37,6 +37,18 @@ class TrialProgress:
 
 
 @dataclass(frozen=True)
+class SampleRange:
+    """Serialized StoredTrialSamples of a trial from position `first` on; how many samples the
+    trial had when they were read, and whether it was `finished` then (ended, or its ingestion
+    closed: no sample follows those counted)."""
+
+    samples: list[bytes]
+    first: int
+    samples_count: int
+    finished: bool
+
+
+@dataclass(frozen=True)
 class TrialStatus:
     """Where a trial stands, beyond what the Cogment wire can say (`last_state` only)."""
 

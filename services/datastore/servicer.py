@@ -263,13 +263,14 @@ class TrialSamplesServicer:
             raise InvalidArgument(f"count [{request.count}] is over {RANGE_MAX_COUNT}")
         trial_id = checked_id(request.trial_id, "trial id")
         tick = request.tick if request.HasField("tick") else None
-        samples, first, count = await self.datastore.sample_range(
-            trial_id, request.first, request.count, tick
+        found = await self.datastore.sample_range(
+            trial_id, request.first, request.count, tick, request.timeout_ms
         )
         return trial_samples_pb2.RetrieveSampleRangeReply(
-            samples=[trial_datastore_pb2.StoredTrialSample.FromString(data) for data in samples],
-            samples_count=count,
-            first=first,
+            samples=[trial_datastore_pb2.StoredTrialSample.FromString(data) for data in found.samples],
+            samples_count=found.samples_count,
+            first=found.first,
+            finished=found.finished,
         )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.api import trial_datastore_pb2 as cogment_dot_api_dot_trial__datastore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#cogment_aux/api/trial_samples.proto\x12\x0f\x63ogment_aux.api\x1a!cogment/api/trial_datastore.proto\"h\n\x1aRetrieveSampleRangeRequest\x12\x10\n\x08trial_id\x18\x01 \x01(\t\x12\r\n\x05\x66irst\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x11\n\x04tick\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_tick\"p\n\x18RetrieveSampleRangeReply\x12.\n\x07samples\x18\x01 \x03(\x0b\x32\x1d.cogmentAPI.StoredTrialSample\x12\x15\n\rsamples_count\x18\x02 \x01(\x04\x12\r\n\x05\x66irst\x18\x03 \x01(\x04\x32\x81\x01\n\x0eTrialSamplesSP\x12o\n\x13RetrieveSampleRange\x12+.cogment_aux.api.RetrieveSampleRangeRequest\x1a).cogment_aux.api.RetrieveSampleRangeReply\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#cogment_aux/api/trial_samples.proto\x12\x0f\x63ogment_aux.api\x1a!cogment/api/trial_datastore.proto\"|\n\x1aRetrieveSampleRangeRequest\x12\x10\n\x08trial_id\x18\x01 \x01(\t\x12\r\n\x05\x66irst\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x11\n\x04tick\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\ntimeout_ms\x18\x05 \x01(\rB\x07\n\x05_tick\"\x94\x01\n\x18RetrieveSampleRangeReply\x12.\n\x07samples\x18\x01 \x03(\x0b\x32\x1d.cogmentAPI.StoredTrialSample\x12\x15\n\rsamples_count\x18\x02 \x01(\x04\x12\r\n\x05\x66irst\x18\x03 \x01(\x04\x12\x15\n\x08\x66inished\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x0b\n\t_finished2\x81\x01\n\x0eTrialSamplesSP\x12o\n\x13RetrieveSampleRange\x12+.cogment_aux.api.RetrieveSampleRangeRequest\x1a).cogment_aux.api.RetrieveSampleRangeReply\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.api.trial_samples_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RETRIEVESAMPLERANGEREQUEST']._serialized_start=91
-  _globals['_RETRIEVESAMPLERANGEREQUEST']._serialized_end=195
-  _globals['_RETRIEVESAMPLERANGEREPLY']._serialized_start=197
-  _globals['_RETRIEVESAMPLERANGEREPLY']._serialized_end=309
-  _globals['_TRIALSAMPLESSP']._serialized_start=312
-  _globals['_TRIALSAMPLESSP']._serialized_end=441
+  _globals['_RETRIEVESAMPLERANGEREQUEST']._serialized_end=215
+  _globals['_RETRIEVESAMPLERANGEREPLY']._serialized_start=218
+  _globals['_RETRIEVESAMPLERANGEREPLY']._serialized_end=366
+  _globals['_TRIALSAMPLESSP']._serialized_start=369
+  _globals['_TRIALSAMPLESSP']._serialized_end=498
 # @@protoc_insertion_point(module_scope)

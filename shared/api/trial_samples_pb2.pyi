@@ -6,7 +6,10 @@ cogmentAPI.TrialDatastoreSP. Not part of the Cogment API: Cogment's clients neve
 
 `RetrieveSamples` replays a trial from its first sample: a tool that shows one tick of a long
 trial (the web console's sample inspector) would read everything before it. This service reads
-a range of a trial's samples by their position in the order RetrieveSamples replays them.
+a range of a trial's samples by their position in the order RetrieveSamples replays them. With a
+wait, it also follows a running trial: a reader asks for the range after the samples it has,
+and the datastore answers once one is stored, with all that are by then (a stream sends a reply
+per sample, which costs a client about what a range of hundreds does).
 """
 
 from shared.api import trial_datastore_pb2 as _trial_datastore_pb2
@@ -18,10 +21,10 @@ import builtins as _builtins
 import sys
 import typing as _typing
 
-if sys.version_info >= (3, 11):
-    from typing import TypeAlias as _TypeAlias, Never as _Never
+if sys.version_info >= (3, 10):
+    from typing import TypeAlias as _TypeAlias
 else:
-    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+    from typing_extensions import TypeAlias as _TypeAlias
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -33,11 +36,14 @@ class RetrieveSampleRangeRequest(_message.Message):
     FIRST_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     TICK_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     trial_id: _builtins.str
     first: _builtins.int
     count: _builtins.int
     tick: _builtins.int
     """Start at the first sample of this tick (from `first` on), found by the datastore."""
+    timeout_ms: _builtins.int
+    """How long to wait for a sample when none is there yet and the trial goes on (0: not at all)."""
     def __init__(
         self,
         *,
@@ -45,10 +51,11 @@ class RetrieveSampleRangeRequest(_message.Message):
         first: _builtins.int = ...,
         count: _builtins.int = ...,
         tick: _builtins.int | None = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_tick", b"_tick", "tick", b"tick"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tick", b"_tick", "count", b"count", "first", b"first", "tick", b"tick", "trial_id", b"trial_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tick", b"_tick", "count", b"count", "first", b"first", "tick", b"tick", "timeout_ms", b"timeout_ms", "trial_id", b"trial_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__tick: _TypeAlias = _typing.Literal["tick"]  # noqa: Y015
     _WhichOneofArgType__tick: _TypeAlias = _typing.Literal["_tick", b"_tick"]  # noqa: Y015
@@ -63,10 +70,16 @@ class RetrieveSampleRangeReply(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     SAMPLES_COUNT_FIELD_NUMBER: _builtins.int
     FIRST_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
     samples_count: _builtins.int
     """The trial's samples stored when this was read."""
     first: _builtins.int
     """The position of the first sample answered (with `tick`: where that tick's first sample is)."""
+    finished: _builtins.bool
+    """No sample will follow those counted: the trial had ended or its ingestion had closed when
+    this was read (where RetrieveSamples ends). Set by every answer of datastores that can wait
+    (`timeout_ms`); earlier releases ignore `timeout_ms` and leave it unset.
+    """
     @_builtins.property
     def samples(self) -> _containers.RepeatedCompositeFieldContainer[_trial_datastore_pb2.StoredTrialSample]: ...
     def __init__(
@@ -75,11 +88,14 @@ class RetrieveSampleRangeReply(_message.Message):
         samples: _abc.Iterable[_trial_datastore_pb2.StoredTrialSample] | None = ...,
         samples_count: _builtins.int = ...,
         first: _builtins.int = ...,
+        finished: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_finished", b"_finished", "finished", b"finished"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "samples", b"samples", "samples_count", b"samples_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finished", b"_finished", "finished", b"finished", "first", b"first", "samples", b"samples", "samples_count", b"samples_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__finished: _TypeAlias = _typing.Literal["finished"]  # noqa: Y015
+    _WhichOneofArgType__finished: _TypeAlias = _typing.Literal["_finished", b"_finished"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__finished) -> _WhichOneofReturnType__finished | None: ...
 
 Global___RetrieveSampleRangeReply: _TypeAlias = RetrieveSampleRangeReply  # noqa: Y015

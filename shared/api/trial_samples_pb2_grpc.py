@@ -49,7 +49,8 @@ class TrialSamplesSPServicer:
         replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
         INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
         `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
-        trial is NOT_FOUND; a `first` past its samples answers none.
+        trial is NOT_FOUND; a `first` past its samples answers none. With `timeout_ms`, a range that
+        would answer none while the trial goes on (not `finished`) waits up to that long for a sample.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

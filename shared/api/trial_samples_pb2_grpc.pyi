@@ -6,7 +6,10 @@ cogmentAPI.TrialDatastoreSP. Not part of the Cogment API: Cogment's clients neve
 
 `RetrieveSamples` replays a trial from its first sample: a tool that shows one tick of a long
 trial (the web console's sample inspector) would read everything before it. This service reads
-a range of a trial's samples by their position in the order RetrieveSamples replays them.
+a range of a trial's samples by their position in the order RetrieveSamples replays them. With a
+wait, it also follows a running trial: a reader asks for the range after the samples it has,
+and the datastore answers once one is stored, with all that are by then (a stream sends a reply
+per sample, which costs a client about what a range of hundreds does).
 """
 
 from shared.api import trial_samples_pb2 as _trial_samples_pb2
@@ -42,7 +45,8 @@ class TrialSamplesSPStub:
     replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
     INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
     `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
-    trial is NOT_FOUND; a `first` past its samples answers none.
+    trial is NOT_FOUND; a `first` past its samples answers none. With `timeout_ms`, a range that
+    would answer none while the trial goes on (not `finished`) waits up to that long for a sample.
     """
 
 @_typing.type_check_only
@@ -53,7 +57,8 @@ class TrialSamplesSPAsyncStub(TrialSamplesSPStub):
     replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
     INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
     `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
-    trial is NOT_FOUND; a `first` past its samples answers none.
+    trial is NOT_FOUND; a `first` past its samples answers none. With `timeout_ms`, a range that
+    would answer none while the trial goes on (not `finished`) waits up to that long for a sample.
     """
 
 class TrialSamplesSPServicer(metaclass=_abc_1.ABCMeta):
@@ -67,7 +72,8 @@ class TrialSamplesSPServicer(metaclass=_abc_1.ABCMeta):
         replays them) on, stored ones only, `count` at most (0: 100; more than 1,000 is
         INVALID_ARGUMENT), fewer when they pass 2 MiB together (never none while one is left); with
         `tick`, from the first of them whose tick id is `tick` (none if no sample has it). An unknown
-        trial is NOT_FOUND; a `first` past its samples answers none.
+        trial is NOT_FOUND; a `first` past its samples answers none. With `timeout_ms`, a range that
+        would answer none while the trial goes on (not `finished`) waits up to that long for a sample.
         """
 
 def add_TrialSamplesSPServicer_to_server(servicer: TrialSamplesSPServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,28 +1,47 @@
 """The project's own `cogment_aux.api.TrialSamplesSP`, served beside TrialDatastoreSP: a range of a
 trial's samples by position, as RetrieveSamples replays them, over real gRPC on SQLite and on
-PostgreSQL; bounded in count and bytes; bad requests say what is wrong."""
+PostgreSQL; bounded in count and bytes; waiting for a running trial's next samples; bad requests
+say what is wrong."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
 
 from services.datastore.client.api import DatastoreClient
 from services.datastore.core import RANGE_MAX_BYTES
-from shared.api import trial_datastore_pb2, trial_samples_pb2, trial_samples_pb2_grpc
-from tests.helpers.datastore import datalog_sample, full_trial, run_datalog
+from shared.api import common_pb2, trial_datastore_pb2, trial_samples_pb2, trial_samples_pb2_grpc
+from tests.helpers.datastore import (
+    datalog_inputs,
+    datalog_sample,
+    full_trial,
+    run_datalog,
+    send_acknowledged,
+    trial_params,
+)
 from tests.helpers.fake_services import FakeCogmentService
 from tests.helpers.running import RunningDatastore
 
 
 async def sample_range(
-    datastore: RunningDatastore, trial_id: str, first: int, count: int = 0, tick: int | None = None
+    datastore: RunningDatastore,
+    trial_id: str,
+    first: int,
+    count: int = 0,
+    tick: int | None = None,
+    timeout_ms: int = 0,
 ) -> trial_samples_pb2.RetrieveSampleRangeReply:
     stub = trial_samples_pb2_grpc.TrialSamplesSPStub(datastore.channel)
-    request = trial_samples_pb2.RetrieveSampleRangeRequest(trial_id=trial_id, first=first, count=count)
+    request = trial_samples_pb2.RetrieveSampleRangeRequest(
+        trial_id=trial_id, first=first, count=count, timeout_ms=timeout_ms
+    )
     if tick is not None:
         request.tick = tick
-    reply: trial_samples_pb2.RetrieveSampleRangeReply = await stub.RetrieveSampleRange(request, timeout=10)
+    reply: trial_samples_pb2.RetrieveSampleRangeReply = await stub.RetrieveSampleRange(
+        request, timeout=10 + timeout_ms / 1000
+    )
     return reply
 
 
@@ -106,3 +125,55 @@ async def test_the_client_tells_a_datastore_without_ranges() -> None:
             assert await client.sample_range("t", 0) is None
     finally:
         await other.stop()
+
+
+async def test_a_waiting_range_follows_a_running_trial_until_it_ends(datastore: RunningDatastore) -> None:
+    call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "live"),))
+    inputs = datalog_inputs(
+        trial_params(), [datalog_sample(tick) for tick in range(4)] + [datalog_sample(4, common_pb2.ENDED)]
+    )
+    await send_acknowledged(call, inputs[:3])  # the parameters and ticks 0 and 1
+    stored = await sample_range(datastore, "live", 0, timeout_ms=10_000)  # there already: at once
+    assert [s.tick_id for s in stored.samples] == [0, 1]
+    assert stored.HasField("finished") and not stored.finished and stored.samples_count == 2
+
+    waiting = asyncio.ensure_future(sample_range(datastore, "live", 2, timeout_ms=30_000))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # nothing after position 2 yet
+    await send_acknowledged(call, inputs[3:4])
+    woken = await asyncio.wait_for(waiting, 10)
+    assert [s.tick_id for s in woken.samples] == [2] and woken.first == 2 and not woken.finished
+
+    none_came = await sample_range(datastore, "live", 3, timeout_ms=200)  # answered empty in time
+    assert list(none_came.samples) == [] and none_came.first == 3 and not none_came.finished
+    await send_acknowledged(call, inputs[4:])
+    rest = await sample_range(datastore, "live", 3, timeout_ms=30_000)
+    assert [s.tick_id for s in rest.samples] == [3, 4] and rest.finished and rest.samples_count == 5
+    await call.done_writing()
+    past = await sample_range(datastore, "live", 5, timeout_ms=30_000)  # over: at once, empty
+    assert list(past.samples) == [] and past.finished
+
+
+async def test_a_waiting_range_ends_with_an_interrupted_trial(datastore: RunningDatastore) -> None:
+    """Its ingestion closes without an ENDED sample (the orchestrator went away): no sample will
+    come, the wait ends (where RetrieveSamples ends)."""
+    call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "cut"),))
+    await send_acknowledged(call, datalog_inputs(trial_params(), [datalog_sample(0)]))
+    waiting = asyncio.ensure_future(sample_range(datastore, "cut", 1, timeout_ms=30_000))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await call.done_writing()
+    ended = await asyncio.wait_for(waiting, 10)
+    assert list(ended.samples) == [] and ended.finished and ended.samples_count == 1
+
+
+async def test_a_trial_deleted_during_a_wait_is_not_found(datastore: RunningDatastore) -> None:
+    call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "gone"),))
+    await send_acknowledged(call, datalog_inputs(trial_params(), [datalog_sample(0)]))
+    waiting = asyncio.ensure_future(sample_range(datastore, "gone", 1, timeout_ms=30_000))
+    await asyncio.sleep(0.3)
+    await datastore.stub.DeleteTrials(trial_datastore_pb2.DeleteTrialsRequest(trial_ids=["gone"]))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await asyncio.wait_for(waiting, 10)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    call.cancel()

@@ -122,18 +122,22 @@ class DatastoreClient(ServiceClient):
         return None if reply is None else list(reply.counts)
 
     async def sample_range(
-        self, trial_id: str, first: int, count: int = 0, tick: int | None = None
+        self, trial_id: str, first: int, count: int = 0, tick: int | None = None, *, wait_ms: int = 0
     ) -> trial_samples_pb2.RetrieveSampleRangeReply | None:
         """The trial's stored samples from position `first` on (in the order `samples` replays
         them; with `tick`, from the first of them of that tick, found by the datastore; `count`
-        at most, 0: 100, fewer past 2 MiB), where they start, and how many the trial has. None
-        when the datastore does not serve `cogment_aux.api.TrialSamplesSP` (the reference's does
-        not): `samples` from the start is then the only way."""
-        request = trial_samples_pb2.RetrieveSampleRangeRequest(trial_id=trial_id, first=first, count=count)
+        at most, 0: 100, fewer past 2 MiB), where they start, and how many the trial has. With
+        `wait_ms`, when none is stored yet and the trial goes on, the datastore answers once one
+        is, or after `wait_ms` with none; a reply without `finished` comes from a datastore that
+        cannot wait. None when the datastore does not serve `cogment_aux.api.TrialSamplesSP` (the
+        reference's does not): `samples` from the start is then the only way."""
+        request = trial_samples_pb2.RetrieveSampleRangeRequest(
+            trial_id=trial_id, first=first, count=count, timeout_ms=wait_ms
+        )
         if tick is not None:
             request.tick = tick
         reply: trial_samples_pb2.RetrieveSampleRangeReply | None = await self.if_served(
-            self.samples_stub.RetrieveSampleRange(request, timeout=self.timeout_s)
+            self.samples_stub.RetrieveSampleRange(request, timeout=self.timeout_s + wait_ms / 1000)
         )
         return reply
 
