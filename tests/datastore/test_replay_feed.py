@@ -62,7 +62,31 @@ def by_observation(batch: dict[str, np.ndarray]) -> list[tuple[object, ...]]:
     )
 
 
-async def test_trials_are_followed_as_they_run(datastore: RunningDatastore) -> None:
+@pytest.mark.parametrize("served", ["waiting ranges", "ranges without waits", "no ranges"])
+async def test_trials_are_followed_as_they_run(
+    datastore: RunningDatastore, monkeypatch: pytest.MonkeyPatch, served: str
+) -> None:
+    """Read by ranges the datastore answers as samples come; from an earlier release, whose
+    ranges do not wait, and from the reference datastore, which serves no ranges, by streams."""
+    read_range = DatastoreClient.sample_range
+
+    async def as_served(client: DatastoreClient, *args: Any, wait_ms: int = 0) -> Any:
+        if served == "no ranges":
+            return None
+        reply = await read_range(client, *args, wait_ms=wait_ms if served == "waiting ranges" else 0)
+        if served == "ranges without waits":
+            reply.ClearField("finished")  # which an earlier release does not know
+        return reply
+
+    streams: list[object] = []
+    batches = replay_feed._batches
+
+    def counted_batches(replies: Any, most: int, linger_s: float) -> Any:
+        streams.append(replies)
+        return batches(replies, most, linger_s)
+
+    monkeypatch.setattr(DatastoreClient, "sample_range", as_served)
+    monkeypatch.setattr(replay_feed, "_batches", counted_batches)
     await run_datalog(datastore, "before", [datalog_sample(0), datalog_sample(1, common_pb2.ENDED)])
     buffer = await asyncio.to_thread(
         ReplayBuffer.from_datastore,
@@ -98,6 +122,7 @@ async def test_trials_are_followed_as_they_run(datastore: RunningDatastore) -> N
         while buffer.stats()["live_episodes"]:
             assert time.monotonic() < deadline, buffer.stats()
             await asyncio.sleep(0.02)
+        assert len(streams) == (0 if served == "waiting ranges" else 1)
     finally:
         await asyncio.to_thread(buffer.close)
 

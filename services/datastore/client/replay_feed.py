@@ -1,7 +1,7 @@
 """A replay buffer fed by datastores: trials followed as they are created (`RetrieveTrials`,
-waiting for the next) on one datastore or every replica a directory lists, each trial read once:
-a closed one by ranges (`RetrieveSampleRange`), a running one as its samples are committed
-(`RetrieveSamples`), turned into the selected actors' steps by `replay_steps`.
+waiting for the next) on one datastore or every replica a directory lists, each trial read once
+by ranges (`RetrieveSampleRange`, the datastore waiting for a running trial's next samples), turned
+into the selected actors' steps by `replay_steps`.
 
 Every feed of the process runs on one event loop in a thread of its own, so that the training
 loop's `sample()` stays synchronous; a read that fails with its datastore away goes on elsewhere,
@@ -44,8 +44,10 @@ T = TypeVar("T")
 BATCH_SAMPLES = 256
 # How long a sample of a busy stream waits for others to be turned into steps with it.
 LINGER_S = 0.005
-# Samples asked for per RetrieveSampleRange (the datastore answers up to 2 MiB of them).
+# Samples asked for per RetrieveSampleRange (the datastore answers up to 2 MiB of them), and how
+# long it waits for a running trial's next one (it answers as soon as one is stored).
 RANGE_SAMPLES = 1000
+RANGE_WAIT_MS = 10_000
 # How long one RetrieveTrials waits for the next trial (the datastore answers as soon as one comes).
 FOLLOW_WAIT_MS = 10_000
 # Trials listed per page while looking for where the listing ends (or for backfill).
@@ -296,13 +298,8 @@ class DatastoreFeed:
                 break
             backlog.append((info, endpoint))
             steps += info.samples_count * len(self._actors.indices(info.params))
-        closed: set[str] = set()
-        for endpoint in dict.fromkeys(endpoint for _, endpoint in backlog):
-            ids = [info.trial_id for info, listed_by in backlog if listed_by == endpoint]
-            statuses = await self._client(endpoint).trial_statuses(ids)
-            closed.update(trial_id for trial_id, status in (statuses or {}).items() if status.closed)
         for info, endpoint in reversed(backlog):
-            self._read(info, endpoint, closed=info.trial_id in closed)
+            self._read(info, endpoint)
             self._listed[info.trial_id].by |= listed_by[info.trial_id]
 
     async def _listing(self, endpoint: str) -> tuple[str, list[trial_datastore_pb2.StoredTrialInfo]]:
@@ -372,7 +369,7 @@ class DatastoreFeed:
             retry.progressed()
             self._handles[endpoint] = reply.next_trial_handle or self._handles[endpoint]
             for info in reply.trial_infos:
-                self._read(info, endpoint, closed=False)
+                self._read(info, endpoint)
 
     def _follower_done(self, endpoint: str, task: asyncio.Task[None]) -> None:
         if self._followers.get(endpoint) is task:
@@ -381,19 +378,20 @@ class DatastoreFeed:
             return
         if self._followers:  # (listed again later, it is followed again from its handle)
             log.warning("the replay feed stops following %s: %s", endpoint, error)
-            # Its reads may wait for ever on a datastore gone without closing its connections
-            # (a node lost: a running trial's stream has no deadline): they go on elsewhere.
+            # Its reads wait on a datastore gone without closing its connections (a node lost)
+            # until their deadlines, or for ever (a stream from a datastore without waiting
+            # ranges has none, as a trial may be idle): they go on elsewhere now.
             for attempt in self._reads.get(endpoint, ()):
                 attempt.cancel()
         else:
             self._fail(error)
 
-    def _read(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str, *, closed: bool) -> None:
+    def _read(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str) -> None:
         """Read a trial `endpoint` listed, unless another datastore listed it first."""
         listed = self._listed.get(info.trial_id)
         if listed is None:
             self._listed[info.trial_id] = _Listed({endpoint})
-            task = asyncio.create_task(self._trial(info, endpoint, closed), name=f"replay-{info.trial_id}")
+            task = asyncio.create_task(self._trial(info, endpoint), name=f"replay-{info.trial_id}")
             self._trials.add(task)
             task.add_done_callback(self._trials.discard)
             task.add_done_callback(lambda done: self._trial_done(info.trial_id, done))
@@ -434,7 +432,7 @@ class DatastoreFeed:
             error = ClientError(f"the replay feed stopped: {error.code().name}: {error.details()}")
         self._buffer.fail(error)
 
-    async def _trial(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str, closed: bool) -> None:
+    async def _trial(self, info: trial_datastore_pb2.StoredTrialInfo, endpoint: str) -> None:
         actors = self._actors.indices(info.params)
         if not actors:
             if not self._matched:  # a mistake in the selection, or a trial of another kind
@@ -447,7 +445,7 @@ class DatastoreFeed:
         while True:
             retry.attempting()
             # An attempt of its own: given up on with its datastore (see `_follower_done`).
-            attempt = asyncio.create_task(self._read_from(endpoint, trial, closed, retry))
+            attempt = asyncio.create_task(self._read_from(endpoint, trial, retry))
             reads = self._reads.setdefault(endpoint, set())
             reads.add(attempt)
             try:
@@ -469,9 +467,9 @@ class DatastoreFeed:
                 reads.discard(attempt)
         trial.finish(self._buffer, self._observations, self._actions)
 
-    async def _read_from(self, endpoint: str, trial: LiveTrial, closed: bool, retry: _Retry) -> None:
+    async def _read_from(self, endpoint: str, trial: LiveTrial, retry: _Retry) -> None:
         """The trial's samples from `endpoint` into the buffer, after those already in it."""
-        samples_in = self._samples(self._client(endpoint), trial.trial_id, closed, trial.samples_read)
+        samples_in = self._samples(self._client(endpoint), trial.trial_id, trial.samples_read)
         async with contextlib.aclosing(samples_in):  # its stream and reader stop with the read
             async for samples in samples_in:
                 retry.progressed()
@@ -502,21 +500,24 @@ class DatastoreFeed:
             samples = samples[count:]
 
     async def _samples(
-        self, client: DatastoreClient, trial_id: str, closed: bool, skip: int
+        self, client: DatastoreClient, trial_id: str, skip: int
     ) -> AsyncGenerator[Sequence[trial_datastore_pb2.StoredTrialSample], None]:
-        """The trial's samples in stored order after the first `skip`, in lists. A closed
-        trial's in ranges of up to `RANGE_SAMPLES` (`RetrieveSampleRange`: a reply costs about
-        what one sample of a stream does); the others as they are committed
-        (`RetrieveSamples`), and those of a datastore that serves no ranges (the reference's)."""
-        if closed:
-            first = skip
-            while (reply := await client.sample_range(trial_id, first, RANGE_SAMPLES)) is not None:
-                if reply.samples:
-                    yield reply.samples
-                first = reply.first + len(reply.samples)
-                if not reply.samples or first >= reply.samples_count:
-                    return
-            # (None: the first call, since a datastore serves ranges or not; `skip` is still 0.)
+        """The trial's samples in stored order after the first `skip`, in lists: in ranges of up
+        to `RANGE_SAMPLES` (`RetrieveSampleRange`), the datastore waiting for a running trial's
+        next ones (a range costs about what one sample of a stream does, and holds all there
+        are); from a datastore that serves no ranges (the reference's) or cannot wait (an earlier
+        release), as they are committed (`RetrieveSamples`)."""
+        while True:
+            reply = await client.sample_range(trial_id, skip, RANGE_SAMPLES, wait_ms=RANGE_WAIT_MS)
+            if reply is None:
+                break
+            if reply.samples:
+                yield reply.samples
+            skip = reply.first + len(reply.samples)
+            if not reply.HasField("finished"):
+                break  # an earlier release, which answered at once: its stream follows the rest
+            if reply.finished and skip >= reply.samples_count:
+                return
         call = client.stub.RetrieveSamples(trial_datastore_pb2.RetrieveSamplesRequest(trial_ids=[trial_id]))
         try:
             async for replies in _batches(call, BATCH_SAMPLES, LINGER_S):
