@@ -11,8 +11,9 @@ first CPU and this process (the buffer, its feed, the client) to the others:
    Also against the datastore's replay rate (below): the issue's target is 0.8 of it, which a
    live feed cannot pass when ingestion is slower than replay, as it is here.
    The live path's own speed, not bounded by ingestion: trials stored but for their last sample,
-   their datalog streams held open (running), read by a new buffer's backfill through
-   `RetrieveSamples` as it reads running trials: transitions per second against the replay rate.
+   their datalog streams held open (running), read by a new buffer's backfill as it reads
+   running trials (ranges that wait for the next samples): transitions per second against the
+   replay rate.
 2. Backfill: a new buffer loads the same, now stored, trials (`backfill=True`): transitions per
    second, against the datastore's replay of the same samples (one RetrieveSamples per trial, all
    at once), in transitions per second of the same samples (the issue's target: 0.8 at least);
@@ -124,8 +125,8 @@ async def catch_up_seconds(
     address: str, ids: Sequence[str], streams: Sequence[list[bytes]], actors: int
 ) -> float:
     """The live path at full speed: trials whose samples are all stored but the last (their
-    datalog streams held open, so they are running), and a new buffer that backfills them through
-    `RetrieveSamples` as it follows running trials: seconds until it holds their transitions."""
+    datalog streams held open, so they are running), and a new buffer that backfills them as it
+    follows running trials: seconds until it holds their transitions."""
     release = asyncio.Event()
 
     async def held_open(frames: list[bytes]) -> AsyncIterator[bytes]:
@@ -176,7 +177,9 @@ async def paced(address: str, trial_id: str, frames: list[bytes], rate: float) -
     return acknowledged
 
 
-def lag_ms(address: str, workload: Workload, rng: random.Random, rate: float) -> dict[str, float]:
+def lag_ms(
+    runner: asyncio.Runner, address: str, workload: Workload, rng: random.Random, rate: float
+) -> dict[str, float]:
     frames = datalog_stream(workload, workload.ticks, rng)
     with feed(address, capacity=10 * workload.ticks * workload.actors) as buffer:
         held: list[tuple[int, float]] = []
@@ -194,7 +197,7 @@ def lag_ms(address: str, workload: Workload, rng: random.Random, rate: float) ->
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            acknowledged = asyncio.run(paced(address, "bench-replay-lag", frames, rate))
+            acknowledged = runner.run(paced(address, "bench-replay-lag", frames, rate))
             wait_for(buffer, (workload.ticks - 1) * workload.actors)
         finally:
             stop.set()
@@ -254,6 +257,13 @@ def numpy_rate(args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    # One event loop for every phase, closed at the end: gRPC's poller calls into each loop that
+    # served a channel, and one closed before then prints "Event loop is closed" tracebacks.
+    with asyncio.Runner() as runner:
+        return measured(runner, args, workdir)
+
+
+def measured(runner: asyncio.Runner, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     plan = pinned_plan(args, workdir, "", not args.no_pin)
     workload = Workload(args.trials, args.ticks, args.actors, args.observation_bytes, args.action_bytes)
     rng = random.Random(args.seed)
@@ -280,11 +290,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     print(f"live feed of {workload.samples:,} samples...", file=sys.stderr)
     with feed(datastore.address, capacity=2 * transitions) as buffer:
         started = time.perf_counter()
-        ingest_s = asyncio.run(load())
+        ingest_s = runner.run(load())
         live_s = wait_for(buffer, transitions) - started
     print("backfill and replay...", file=sys.stderr)
-    replay_s = min(asyncio.run(replay_seconds(datastore.address, ids)) for _ in range(args.rounds))
-    ranges_s = min(asyncio.run(range_seconds(datastore.address, ids)) for _ in range(args.rounds))
+    replay_s = min(runner.run(replay_seconds(datastore.address, ids)) for _ in range(args.rounds))
+    ranges_s = min(runner.run(range_seconds(datastore.address, ids)) for _ in range(args.rounds))
     backfill_s = []
     for _ in range(args.rounds):
         started = time.perf_counter()
@@ -292,7 +302,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             backfill_s.append(wait_for(buffer, transitions) - started)
     print("the live path catching up...", file=sys.stderr)
     held_ids = trial_ids(f"replay-{args.seed}-held", "datastore", 0, workload.trials)
-    catch_up_s = asyncio.run(catch_up_seconds(datastore.address, held_ids, streams, workload.actors))
+    catch_up_s = runner.run(catch_up_seconds(datastore.address, held_ids, streams, workload.actors))
     caught_up = workload.trials * workload.actors * (workload.ticks - 2)
     report["live_catch_up"] = {
         "transitions_per_s": round(caught_up / catch_up_s, 1),
@@ -313,7 +323,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
     print("lag...", file=sys.stderr)
     paced_workload = Workload(1, args.paced_ticks, args.actors, args.observation_bytes, args.action_bytes)
-    report["lag"] = lag_ms(datastore.address, paced_workload, rng, args.paced_rate)
+    report["lag"] = lag_ms(runner, datastore.address, paced_workload, rng, args.paced_rate)
     datastore.stop()
 
     print(f"sampling from {args.transitions:,} steps...", file=sys.stderr)
