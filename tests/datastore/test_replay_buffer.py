@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.datastore.client.replay_buffer import ReplayBuffer
+from services.datastore.client.replay_steps import DecodedColumn, LiveTrial
 from services.datastore.client.training import Episode, TrainingData
+from shared.api import common_pb2, trial_datastore_pb2
 
 VIEWS = {"frames": ("observation", "-2:0"), "next_action": ("action", 1), "rewards3": ("reward", [0, 1, 2])}
 
@@ -225,3 +228,44 @@ def test_an_episode_that_ends_is_terminal_as_its_last_transition_becomes_samplea
     buffer.extend("e", [observation(0, 0)], [b"a"], [0.0])
     buffer.extend("e", [observation(0, 1)], [b"a"], [0.0], ended=True)  # before finish comes
     assert buffer.sample(1)["terminals"].tolist() == [True]
+
+
+def test_a_long_live_trial_keeps_what_the_buffer_holds_not_its_length() -> None:
+    """A running trial far longer than the capacity: its steps' keys and its ticks' positions
+    (kept for late rewards) are forgotten with the steps removed, so memory stays flat; a late
+    reward still counts in a step held, and keeps nothing for one removed."""
+    buffer = ReplayBuffer(1000, sampler="fifo")
+    trial = LiveTrial("long", [0, 1], common_pb2.RUNNING)
+    raw = DecodedColumn(None)
+
+    def sample(tick: int, late_reward: float | None = None) -> trial_datastore_pb2.StoredTrialSample:
+        actor = trial_datastore_pb2.StoredTrialActorSample
+        if late_reward is not None:  # a reward for a past tick, to both actors
+            late = [actor(actor=index, reward=late_reward) for index in (0, 1)]
+            return trial_datastore_pb2.StoredTrialSample(tick_id=tick, actor_samples=late)
+        actors = [actor(actor=index, observation=0, action=0, reward=1.0) for index in (0, 1)]
+        return trial_datastore_pb2.StoredTrialSample(
+            tick_id=tick, state=common_pb2.RUNNING, actor_samples=actors, payloads=[b"o"]
+        )
+
+    def run(ticks: range) -> None:
+        for start in range(ticks.start, ticks.stop, 100):
+            trial.add(buffer, [sample(tick) for tick in range(start, start + 100)], raw, raw)
+
+    run(range(0, 10_000))  # the structures have reached their size
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        run(range(10_000, 60_000))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # Unbounded, the 100,000 steps' keys and 50,000 positions cost about 10 MB.
+    assert grown < 500_000, grown
+    assert len(trial.positions) <= 2 * buffer.capacity
+
+    # Each actor's last 500 steps are held (ticks 59,500 on): tick 59,990's transitions take the
+    # reward; tick 5's steps are long gone.
+    trial.add(buffer, [sample(59_990, late_reward=100.0), sample(5, late_reward=100.0)], raw, raw)
+    rewards = buffer.sample(len(buffer))["rewards"].tolist()
+    assert len(rewards) == 2 * 499 and sorted(rewards) == [1.0] * (2 * 498) + [101.0, 101.0]

@@ -16,8 +16,10 @@ Thread-safe: steps come from a feeding thread, batches are taken by the training
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +46,10 @@ RUNNING, ENDED, TRUNCATED = 0, 1, 2
 
 @dataclass
 class _LiveEpisode:
-    keys: list[int] = field(default_factory=list)  # by position, for late rewards
+    # Its steps' keys by position (for late rewards), from position `first` on: those of steps
+    # removed are forgotten (`_forget_removed_keys`).
+    keys: array[int] = field(default_factory=lambda: array("q"))
+    first: int = 0
     # Steps with a next step, not yet ready (or removed since: dropped as they come up).
     pending: deque[int] = field(default_factory=deque)
 
@@ -102,6 +107,7 @@ class ReplayBuffer:
         self._gamma = gamma
         self._rng = np.random.default_rng(seed)
         self._live: dict[Hashable, _LiveEpisode] = {}
+        self._live_keys = 0  # held by the live episodes, removed steps' included
         self._changed = threading.Condition()
         self._closed = False
         self._failure: BaseException | None = None
@@ -278,7 +284,10 @@ class ReplayBuffer:
             )
             self._leave(removed[removed < keys[0]])  # the others are this batch's, never stored
             previous = np.concatenate(([live.keys[-1] if live.keys else NO_KEY], keys[:-1]))
-            live.keys.extend(int(key) for key in keys)
+            live.keys.frombytes(keys.astype(np.int64).tobytes())
+            self._live_keys += len(keys)
+            if self._live_keys > 2 * self._steps.capacity:
+                self._forget_removed_keys()
             # Of more steps than fit, the first were removed at once: only the stored ones link.
             stored = self._steps.present(keys)
             keys, previous = keys[stored], previous[stored]
@@ -306,9 +315,11 @@ class ReplayBuffer:
         later ticks); a step no longer in the buffer keeps nothing."""
         with self._changed:
             live = self._live.get(episode)
-            if live is None or not 0 <= position < len(live.keys):
+            if live is None or not 0 <= position < live.first + len(live.keys):
                 raise KeyError(f"episode {episode!r} has no step {position}")
-            key = live.keys[position]
+            if position < live.first:
+                return  # removed, and forgotten
+            key = live.keys[position - live.first]
             if self._steps.present([key])[0]:
                 self._steps.column("reward")[key % self._steps.capacity] += reward
 
@@ -317,13 +328,23 @@ class ReplayBuffer:
         timeout). Its steps still waiting for their n-step window become ready."""
         with self._changed:
             live = self._live.pop(episode, None)
-            if live is None or not live.keys:
+            if live is None:
+                return
+            self._live_keys -= len(live.keys)
+            if not live.keys:
                 return
             last = live.keys[-1]
             if self._steps.present([last])[0]:
                 self._final[last % self._steps.capacity] = ENDED if ended else TRUNCATED
             pending = np.array(live.pending, dtype=np.int64)
             self._make_ready(pending[self._steps.present(pending)])
+
+    def first_position(self, episode: Hashable) -> int:
+        """The position of a live episode's oldest step the buffer may still hold: a late reward
+        for an earlier one keeps nothing."""
+        with self._changed:
+            live = self._live.get(episode)
+            return 0 if live is None else live.first
 
     def fail(self, error: BaseException) -> None:
         """The feed failed: the next call raises `error`."""
@@ -372,6 +393,18 @@ class ReplayBuffer:
             raise self._failure
         if self._closed:
             raise RuntimeError("the replay buffer is closed")
+
+    def _forget_removed_keys(self) -> None:
+        """Drop the live episodes' keys of removed steps (the oldest of each: steps leave in key
+        order), so that what they hold stays within twice the capacity, however long they run."""
+        oldest = self._steps.oldest_key
+        self._live_keys = 0
+        for live in self._live.values():
+            removed = bisect.bisect_left(live.keys, oldest)
+            if removed:
+                del live.keys[:removed]
+                live.first += removed
+            self._live_keys += len(live.keys)
 
     def _make_ready(self, keys: Keys) -> None:
         if not keys.size:

@@ -110,7 +110,10 @@ class LiveTrial:
     actors: list[int]
     last_state: int
     order: TickOrder = field(default_factory=TickOrder)
-    positions: dict[int, int] = field(default_factory=dict)  # tick -> position in the episodes
+    # Tick -> position in the episodes, for late rewards: of the steps given (`steps`), those the
+    # buffer may still hold (see `_forget_removed_positions`).
+    positions: dict[int, int] = field(default_factory=dict)
+    steps: int = 0
     stored: int = 0
     held: dict[int, _HeldSteps] = field(default_factory=dict)
     samples_read: int = 0  # (late ones too): a read that failed goes on after them
@@ -137,7 +140,8 @@ class LiveTrial:
                     else:
                         buffer.add_late_reward((self.trial_id, index), position, reward)
                 continue
-            self.positions[sample.tick_id] = len(self.positions)
+            self.positions[sample.tick_id] = self.steps
+            self.steps += 1
             self.last_state = sample.state
             by_index = {actor.actor: actor for actor in sample.actor_samples}
             for index, held in self.held.items():
@@ -149,6 +153,7 @@ class LiveTrial:
                 held.rewards.append(actor.reward if actor.HasField("reward") else 0.0)
         self.samples_read += len(samples)
         self._store(buffer, observations, actions)
+        self._forget_removed_positions(buffer)
 
     def finish(self, buffer: ReplayBuffer, observations: DecodedColumn, actions: DecodedColumn) -> None:
         """The trial's samples are all in: its last step is terminal if it ended."""
@@ -159,7 +164,7 @@ class LiveTrial:
             buffer.finish((self.trial_id, index), ended=self.last_state == common_pb2.ENDED)
 
     def _store(self, buffer: ReplayBuffer, observations: DecodedColumn, actions: DecodedColumn) -> None:
-        if self.stored == len(self.positions):
+        if self.stored == self.steps:
             return
         for held in self.held.values():
             observations.learn(held.observations)
@@ -181,4 +186,13 @@ class LiveTrial:
                 wait=False,
             )
             self.held[index] = _HeldSteps()
-        self.stored = len(self.positions)
+        self.stored = self.steps
+
+    def _forget_removed_positions(self, buffer: ReplayBuffer) -> None:
+        """Forget the ticks of steps every actor's episode lost (a late reward for them keeps
+        nothing) once they are half of those known: what a long trial keeps follows what the
+        buffer holds, not the trial's length."""
+        first = min(buffer.first_position((self.trial_id, index)) for index in self.actors)
+        known_from = self.steps - len(self.positions)
+        if first - known_from > len(self.positions) // 2:
+            self.positions = {tick: at for tick, at in self.positions.items() if at >= first}
