@@ -77,3 +77,13 @@ def test_bad_input_is_named() -> None:
         store.add({"observation": [b"x"]})
     with pytest.raises(KeyError):
         store.slots([5])
+
+
+def test_a_rejected_first_batch_leaves_the_columns_to_the_first_stored_one() -> None:
+    store = StepStore(10, capacity_bytes=100)
+    with pytest.raises(ValueError, match="larger than capacity_bytes"):
+        store.add({"observation": [np.zeros(50, np.float32)]})  # 200 bytes
+    with pytest.raises(ValueError, match="one value per step"):
+        store.add({"observation": [np.zeros(2)], "reward": []})
+    store.add({"observation": [np.zeros(3, np.int16)]})  # the first stored: int16 x 3
+    assert store.column("observation").shape == (10, 3) and store.column("observation").dtype == np.int16

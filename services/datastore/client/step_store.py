@@ -52,14 +52,15 @@ class StepStore:
         (length,) = lengths
         if not length:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        if not self._columns:
-            self._columns = {name: _column(rows[name][0], self.capacity) for name in names}
-        values = {name: _values(name, self._columns[name], rows[name]) for name in names}
+        # The first steps stored set the columns' types: not a batch rejected below.
+        columns = self._columns or {name: _column(rows[name][0], self.capacity) for name in names}
+        values = {name: _values(name, columns[name], rows[name]) for name in names}
         sizes = sum((_sizes(column) for column in values.values()), np.zeros(length, np.int64))
         if self.capacity_bytes is not None and sizes.max() > self.capacity_bytes:
             raise ValueError(
                 f"a step of {int(sizes.max())} bytes is larger than capacity_bytes ({self.capacity_bytes})"
             )
+        self._columns = columns
         # Of a batch that does not fit even alone, the first are removed as the later ones come:
         # every stored step too, since they are older.
         kept = min(length, self.capacity)
