@@ -246,9 +246,9 @@ async def test_a_trial_of_another_kind_first_does_not_fail_a_selection_later_tri
 async def test_a_read_from_a_replica_that_stops_answering_goes_on_from_another(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A replica that vanishes without closing its connections (a partition, a node lost): a
-    running trial's stream has no deadline, but the replica's follower's long poll has; once it
-    gives the replica up, the read goes on from the other, after the samples already in."""
+    """A replica that vanishes without closing its connections (a partition, a node lost): its
+    follower gives it up (or the read's range runs out of time), and the read goes on from the
+    other, after the samples already in."""
     monkeypatch.setattr(replay_feed, "FOLLOW_WAIT_MS", 500)
     start = make_datastore_factory(postgres_url)
     async with (
@@ -281,6 +281,53 @@ async def test_a_read_from_a_replica_that_stops_answering_goes_on_from_another(
             assert buffer._steps.column("reward").sum() == 20  # every step once (the others: 0)
             assert not buffer.stats()["live_episodes"]
         finally:
+            await asyncio.to_thread(buffer.close)
+
+
+async def test_a_read_idle_for_longer_than_the_timeout_rides_out_another_fault(
+    datastore: RunningDatastore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running trial's read answered (empty ranges, the trial idle) has reached its datastore:
+    a fault long after an earlier one starts a new count, and the read goes on elsewhere."""
+    monkeypatch.setattr(replay_feed, "FOLLOW_WAIT_MS", 500)
+    monkeypatch.setattr(replay_feed, "RANGE_WAIT_MS", 500)
+    port = datastore.service.port or 0
+    async with FaultProxy(port, postgres=False) as one, FaultProxy(port, postgres=False) as other:
+        proxies = {f"grpc://127.0.0.1:{proxy.port}": proxy for proxy in (one, other)}
+
+        async def endpoints() -> list[str]:
+            return list(proxies)
+
+        buffer = ReplayBuffer(1000)
+        feed = DatastoreFeed(buffer, endpoints, actors=ActorSelection(), timeout_s=1.0)
+        buffer._feed = feed
+        await asyncio.to_thread(feed.start)
+        try:
+            call = datastore.datalog.RunTrialDatalog(metadata=(("trial-id", "idle"),))
+            inputs = datalog_inputs(trial_params(), ticks(5))
+            await send_acknowledged(call, inputs[:4])  # ticks 0 to 2
+            await fed(buffer, ACTORS * 2)
+
+            def reading() -> str | None:
+                return next((endpoint for endpoint, reads in feed._reads.items() if reads), None)
+
+            first = reading()
+            assert first is not None
+            proxies[first].cut()  # the read fails, and goes on from the other
+            proxies[first].restore()
+            await until(lambda: reading() not in (None, first), "the read going on from the other")
+            await asyncio.sleep(3.0)  # the trial idle, for three times the timeout
+            second = reading()
+            assert second is not None and second != first
+            proxies[second].blackhole()  # its next range runs out of time
+            await asyncio.sleep(4.0)
+            await send_acknowledged(call, inputs[4:])
+            await call.done_writing()
+            await fed(buffer, ACTORS * 4)
+            await until(lambda: not buffer.stats()["live_episodes"], "the trial finished")
+        finally:
+            for proxy in proxies.values():
+                proxy.restore()
             await asyncio.to_thread(buffer.close)
 
 

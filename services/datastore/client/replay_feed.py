@@ -130,7 +130,7 @@ async def _batches(replies: AsyncIterable[T], most: int, linger_s: float) -> Asy
 class _Retry:
     """Attempts of one read: the backoff between them, and how long they have failed. An attempt
     that ran `SETTLED_S` before it failed had reached its datastore: the next failure starts a
-    new count (a long poll or an idle stream reports no progress of its own)."""
+    new count (an idle stream reports no progress of its own)."""
 
     def __init__(self, what: str, give_up_s: float) -> None:
         self._what = what
@@ -472,8 +472,9 @@ class DatastoreFeed:
         samples_in = self._samples(self._client(endpoint), trial.trial_id, trial.samples_read)
         async with contextlib.aclosing(samples_in):  # its stream and reader stop with the read
             async for samples in samples_in:
-                retry.progressed()
-                await self._add(trial, samples)
+                retry.progressed()  # an answer, be it empty (a wait for an idle trial's samples)
+                if samples:
+                    await self._add(trial, samples)
 
     def _another(self, endpoint: str) -> str:
         """The next datastore followed after `endpoint`, to try a read again on."""
@@ -502,17 +503,17 @@ class DatastoreFeed:
     async def _samples(
         self, client: DatastoreClient, trial_id: str, skip: int
     ) -> AsyncGenerator[Sequence[trial_datastore_pb2.StoredTrialSample], None]:
-        """The trial's samples in stored order after the first `skip`, in lists: in ranges of up
-        to `RANGE_SAMPLES` (`RetrieveSampleRange`), the datastore waiting for a running trial's
-        next ones (a range costs about what one sample of a stream does, and holds all there
-        are); from a datastore that serves no ranges (the reference's) or cannot wait (an earlier
-        release), as they are committed (`RetrieveSamples`)."""
+        """The trial's samples in stored order after the first `skip`, in lists (empty: a range
+        that waited for an idle trial in vain): in ranges of up to `RANGE_SAMPLES`
+        (`RetrieveSampleRange`), the datastore waiting for a running trial's next ones (a range
+        costs about what one sample of a stream does, and holds all there are); from a datastore
+        that serves no ranges (the reference's) or cannot wait (an earlier release), as they are
+        committed (`RetrieveSamples`)."""
         while True:
             reply = await client.sample_range(trial_id, skip, RANGE_SAMPLES, wait_ms=RANGE_WAIT_MS)
             if reply is None:
                 break
-            if reply.samples:
-                yield reply.samples
+            yield reply.samples
             skip = reply.first + len(reply.samples)
             if not reply.HasField("finished"):
                 break  # an earlier release, which answered at once: its stream follows the rest
