@@ -74,6 +74,21 @@ def parse_request(message_type: type[M], data: bytes) -> M:
         raise InvalidArgument(UNDECODABLE_MESSAGE) from None
 
 
+ONE_BYTE_VARINTS = tuple(bytes((value,)) for value in range(0x80))
+
+
+def varint(value: int) -> bytes:
+    """Base-128 varint of a non-negative integer: protobuf's lengths and unsigned fields."""
+    if value < 0x80:
+        return ONE_BYTE_VARINTS[value]
+    encoded = []
+    while value >= 0x80:
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)
+
+
 def field_one_frame(payload: bytes | memoryview) -> bytes:
     """The encoding of a message whose field 1 (bytes, or an embedded message) holds `payload`.
 
@@ -81,13 +96,7 @@ def field_one_frame(payload: bytes | memoryview) -> bytes:
     serializer): building a message around a payload, then serializing it, copies the payload
     twice more on the event loop, and that bounds the stream's speed. The wire bytes are the same.
     """
-    length = len(payload)
-    prefix = bytearray(b"\x0a")
-    while length > 0x7F:
-        prefix.append((length & 0x7F) | 0x80)
-        length >>= 7
-    prefix.append(length)
-    return bytes(prefix) + payload
+    return b"\x0a" + varint(len(payload)) + payload
 
 
 def pre_encoded(frame: bytes) -> bytes:

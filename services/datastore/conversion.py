@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from shared.api import common_pb2, datalog_pb2, trial_datastore_pb2
 from shared.errors import InvalidArgument
+from shared.handlers import ONE_BYTE_VARINTS, varint
 
 StoredTrialSample = trial_datastore_pb2.StoredTrialSample
 
@@ -50,7 +51,6 @@ _CONFIDENCE_TAG = 5 << 3 | 5
 _FLOAT32 = struct.Struct("<f").pack
 _FIXED64 = struct.Struct("<Q").pack
 _INT64_MASK = (1 << 64) - 1
-_ONE_BYTE_VARINTS = tuple(bytes((value,)) for value in range(0x80))
 _CONTENT = operator.attrgetter("content")
 # Plans (and layouts) kept per converter: a trial's samples have a handful of shapes (first, running, last,
 # out-of-sync samples...). Past this, they are all dropped, so that a trial whose shapes change keeps planning
@@ -58,26 +58,14 @@ _CONTENT = operator.attrgetter("content")
 _MAX_PLANS = 32
 
 
-def _varint(value: int) -> bytes:
-    """Base-128 varint of a non-negative integer (`_int32` for signed fields)."""
-    if value < 0x80:
-        return _ONE_BYTE_VARINTS[value]
-    encoded = []
-    while value >= 0x80:
-        encoded.append(value & 0x7F | 0x80)
-        value >>= 7
-    encoded.append(value)
-    return bytes(encoded)
-
-
 def _int32(value: int) -> bytes:
     """Varint of an int32 field: a negative value is sign-extended to 64 bits (10 bytes), as protobuf does."""
-    return _varint(value & _INT64_MASK)
+    return varint(value & _INT64_MASK)
 
 
 # `state`, left out for UNKNOWN (0); values outside the enum are encoded when met.
 _STATE_FIELDS = {
-    state: _STATE_TAG + _varint(state) if state else b"" for state in common_pb2.TrialState.values()
+    state: _STATE_TAG + varint(state) if state else b"" for state in common_pb2.TrialState.values()
 }
 
 
@@ -187,10 +175,10 @@ class DatalogConverter:
         for tag, text in ((b"\x0a", user_id), (b"\x12", trial_id)):
             if text:
                 encoded = text.encode()
-                header += tag + _varint(len(encoded)) + encoded
+                header += tag + varint(len(encoded)) + encoded
         self._header = header
         # StoredTrialActorSample.actor of each actor (the default 0 is left out).
-        self._actor_fields = tuple(_ACTOR_TAG + _varint(index) if index else b"" for index in everyone)
+        self._actor_fields = tuple(_ACTOR_TAG + varint(index) if index else b"" for index in everyone)
         # The int32 `sender` and `receiver` of reward and message entries: each actor's then, last so that
         # index -1 finds it, the environment's (or an unknown name's).
         self._sender_fields = tuple(
@@ -222,7 +210,7 @@ class DatalogConverter:
         header = self._header
         tick_id = info.tick_id
         if tick_id:
-            header += _TICK_ID_TAG + _varint(tick_id)
+            header += _TICK_ID_TAG + varint(tick_id)
         timestamp = info.timestamp
         if timestamp:
             header += _TIMESTAMP_TAG + _FIXED64(timestamp)
@@ -331,15 +319,15 @@ class DatalogConverter:
                     f"an observation index ({_allowed_indices(observation_count, 'observation')})"
                 )
             # Actors seeing the same observation share its payload index, which is its observation index.
-            bodies[actor_index] += _OBSERVATION_TAG + _varint(observation_index)
+            bodies[actor_index] += _OBSERVATION_TAG + varint(observation_index)
         if action_count > actor_count:
             raise InvalidArgument(
                 f"DatalogSample.actions has {action_count} entries: entry {actor_count} has no actor "
                 f"({_allowed_indices(actor_count, 'actor')})"
             )
         for actor_index in range(action_count):
-            bodies[actor_index] += _ACTION_TAG + _varint(observation_count + actor_index)
-        layout = tuple(bodies), tuple(_ACTOR_SAMPLE_TAG + _varint(len(body)) + body for body in bodies)
+            bodies[actor_index] += _ACTION_TAG + varint(observation_count + actor_index)
+        layout = tuple(bodies), tuple(_ACTOR_SAMPLE_TAG + varint(len(body)) + body for body in bodies)
         if len(self._layouts) == _MAX_PLANS:
             self._layouts.clear()
         self._layouts[key] = layout
@@ -387,11 +375,11 @@ class DatalogConverter:
                     ends = sender_field + receiver_field  # both filled, as for messages
                     user_data = b""
                     if has_user_data:  # a new payload per receiver, as in the reference
-                        user_data = _USER_DATA_TAG + _varint(payload_count)
+                        user_data = _USER_DATA_TAG + varint(payload_count)
                         payload_count += 1
                     # At most 2 * 11 + 10 + 6 bytes: a 1-byte length.
                     entry_length = len(ends) + _REWARD_VALUES.size + len(user_data)
-                    before = _ONE_BYTE_VARINTS[entry_length] + ends
+                    before = ONE_BYTE_VARINTS[entry_length] + ends
                     entries.append((_RECEIVED_REWARD_TAG + before, variable, user_data))
                     lengths[receiver] += 2 + entry_length
                     if sender >= 0:
@@ -409,9 +397,9 @@ class DatalogConverter:
             sender = index_by_name.get(sender_name, -1)
             message = sender_fields[sender] + receiver_fields[receiver]
             if payload_count:
-                message += _PAYLOAD_TAG + _varint(payload_count)
+                message += _PAYLOAD_TAG + varint(payload_count)
             payload_count += 1
-            message = _ONE_BYTE_VARINTS[len(message)] + message  # at most 2 * 11 + 6 bytes
+            message = ONE_BYTE_VARINTS[len(message)] + message  # at most 2 * 11 + 6 bytes
             if receiver >= 0:
                 received_messages.setdefault(receiver, []).append(_RECEIVED_MESSAGE_TAG + message)
                 lengths[receiver] += 1 + len(message)
@@ -444,7 +432,7 @@ class DatalogConverter:
             if not length:  # nothing past `action`
                 constant += encoded_body
                 continue
-            constant += _ACTOR_SAMPLE_TAG + _varint(len(body) + length) + body
+            constant += _ACTOR_SAMPLE_TAG + varint(len(body) + length) + body
             mean = means.get(actor)
             if mean is not None:
                 constant += _REWARD_TAG

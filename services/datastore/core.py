@@ -179,7 +179,14 @@ class TrialDatastore:
         with self.feed.watch([samples_key(seq)]) as watch:
             while True:
                 kept, start = await self._read_range(seq, position, count, tick)
-                progress = await self.ride_out(functools.partial(self.store.progress, seq))
+                # Held until answered, in the replay budget: many ranges gathered at once (a
+                # replay buffer catching up on hundreds of trials) wait their turn to read.
+                gathered = sum(map(len, kept))
+                self.replay_budget.add(gathered)
+                try:
+                    progress = await self.ride_out(functools.partial(self.store.progress, seq))
+                finally:
+                    self.replay_budget.release(gathered)
                 if progress is None:
                     raise NotFound(f'trial "{quoted(trial_id)}" was deleted')
                 # Samples read may have been stored after the count was: never fewer than were read.

@@ -13,7 +13,14 @@ from typing import TypeVar
 
 import grpc
 
-from shared.api import common_pb2, datalog_pb2, datalog_pb2_grpc, trial_datastore_pb2_grpc
+from shared.api import (
+    common_pb2,
+    datalog_pb2,
+    datalog_pb2_grpc,
+    trial_datastore_pb2_grpc,
+    trial_samples_pb2,
+    trial_samples_pb2_grpc,
+)
 from shared.api import trial_datastore_pb2 as ds
 from shared.validation import MiB
 from tests.fixtures.postgres import PostgresCluster, new_database_name
@@ -138,8 +145,9 @@ HUGE_MESSAGES = [("grpc.max_receive_message_length", 100 * MiB), ("grpc.max_send
 
 
 async def test_huge_samples_from_many_streams_and_readers_wait_their_turn(tmp_path: Path) -> None:
-    """8 datalog streams each sending a 60 MB sample at once, then 16 readers of them: the peak
-    stays within twice the budget (unbounded, they took 1,459 and 1,972 MiB)."""
+    """8 datalog streams each sending a 60 MB sample at once, then 16 readers of them (streams,
+    then ranges): the peak stays within twice the budget (unbounded, they took 1,459 and 1,972
+    MiB)."""
     args = ["--database_url", f"sqlite+aiosqlite:///{tmp_path / 'datastore.db'}", "--log_level", "info"]
     with await asyncio.to_thread(start_service, "services.datastore", args, log_dir=tmp_path) as service:
         pid = service.process.pid
@@ -169,6 +177,21 @@ async def test_huge_samples_from_many_streams_and_readers_wait_their_turn(tmp_pa
             idle = rss_bytes(pid)
             read, peak = await _with_peak_rss(pid, asyncio.gather(*map(replay, range(HUGE_READERS))))
             _check_growth(peak - idle, f"{HUGE_READERS} readers of a 60 MB sample")
+            assert read == [[HUGE_SAMPLE_BYTES]] * HUGE_READERS
+
+            ranges = trial_samples_pb2_grpc.TrialSamplesSPStub(channel)
+
+            async def read_range(reader: int) -> list[int]:
+                request = trial_samples_pb2.RetrieveSampleRangeRequest(
+                    trial_id=f"huge{reader % HUGE_STREAMS}"
+                )
+                reply = await ranges.RetrieveSampleRange(request)
+                return [max(map(len, sample.payloads)) for sample in reply.samples]
+
+            await asyncio.sleep(1.0)
+            idle = rss_bytes(pid)
+            read, peak = await _with_peak_rss(pid, asyncio.gather(*map(read_range, range(HUGE_READERS))))
+            _check_growth(peak - idle, f"{HUGE_READERS} range readers of a 60 MB sample")
             assert read == [[HUGE_SAMPLE_BYTES]] * HUGE_READERS
 
 

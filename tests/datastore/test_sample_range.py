@@ -6,13 +6,17 @@ say what is wrong."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
 
 from services.datastore.client.api import DatastoreClient
 from services.datastore.core import RANGE_MAX_BYTES
+from services.datastore.model import SampleRange
+from services.datastore.servicer import range_reply
 from shared.api import common_pb2, trial_datastore_pb2, trial_samples_pb2, trial_samples_pb2_grpc
+from shared.validation import MiB
 from tests.helpers.datastore import (
     datalog_inputs,
     datalog_sample,
@@ -22,7 +26,7 @@ from tests.helpers.datastore import (
     trial_params,
 )
 from tests.helpers.fake_services import FakeCogmentService
-from tests.helpers.running import RunningDatastore
+from tests.helpers.running import DatastoreFactory, RunningDatastore
 
 
 async def sample_range(
@@ -177,3 +181,49 @@ async def test_a_trial_deleted_during_a_wait_is_not_found(datastore: RunningData
         await asyncio.wait_for(waiting, 10)
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
     call.cancel()
+
+
+async def test_ranges_gathered_at_once_wait_their_turn_within_the_replay_budget(
+    datastore_factory: DatastoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range's samples count in the replay budget until it is answered: with room for one
+    MiB-sized sample read (two copies) and another gathered, ten readers at once do not all
+    hold theirs while the trials' progress is read."""
+    async with datastore_factory("--replay_bytes", str(3 * MiB)) as datastore:
+        for trial in range(10):
+            sample = datalog_sample(0)
+            sample.observations.observations[0] = bytes(MiB)
+            await run_datalog(datastore, f"t{trial}", [sample])
+        store = datastore.service.store
+        progress = store.progress
+        holding, most = 0, 0
+
+        async def slow_progress(trial_seq: int) -> Any:
+            nonlocal holding, most
+            holding += 1
+            most = max(most, holding)
+            try:
+                await asyncio.sleep(0.2)  # a database answering slowly
+                return await progress(trial_seq)
+            finally:
+                holding -= 1
+
+        monkeypatch.setattr(store, "progress", slow_progress)
+        replies = await asyncio.gather(*(sample_range(datastore, f"t{trial}", 0) for trial in range(10)))
+        assert [len(reply.samples) for reply in replies] == [1] * 10
+        assert most == 2
+
+
+@pytest.mark.parametrize("finished", [False, True])
+@pytest.mark.parametrize("sizes", [[], [0], [1, 127, 128, 300_000]])
+def test_the_reply_encoded_around_stored_samples_is_protobufs_own(finished: bool, sizes: list[int]) -> None:
+    samples = [
+        trial_datastore_pb2.StoredTrialSample(tick_id=tick, payloads=[bytes(size)] if size else [])
+        for tick, size in enumerate(sizes)
+    ]
+    found = SampleRange([s.SerializeToString() for s in samples], 2**40, 2**33 + 5, finished)
+    expected = trial_samples_pb2.RetrieveSampleRangeReply(
+        samples=samples, samples_count=2**33 + 5, first=2**40, finished=finished
+    )
+    decoded = trial_samples_pb2.RetrieveSampleRangeReply.FromString(range_reply(found))
+    assert decoded == expected and decoded.HasField("finished")
