@@ -112,7 +112,7 @@ def build() -> Dashboard:
         .with_panel(
             chart(
                 "Readers",
-                "RetrieveSamples streams open, and samples they read per second.",
+                "RetrieveSamples streams and RetrieveSampleRange calls open, and samples read per second.",
                 "short",
                 query(f"sum(cogment_trial_datastore_live_readers{{{JOB}}})", "readers"),
                 query(rate("cogment_trial_datastore_replayed_samples_total", JOB), "samples read per second"),

@@ -71,7 +71,7 @@ class TrialDatastore:
         self.feed = feed
         self.batcher = batcher
         self.leases = leases
-        # RetrieveSamples streams open (a metric).
+        # RetrieveSamples streams open and RetrieveSampleRange calls under way (a metric).
         self.readers = 0
         # Streams (live readers, a waiting RetrieveTrials, a datalog being opened) ride out a
         # database outage; a unary call answers UNAVAILABLE at once.
@@ -175,6 +175,15 @@ class TrialDatastore:
             raise NotFound(f'no trial "{quoted(trial_id)}" found')
         seq = found[trial_id].trial_seq
         deadline = time.monotonic() + timeout_ms / 1000
+        self.readers += 1
+        try:
+            return await self._range_of(trial_id, seq, position, count, tick, deadline)
+        finally:
+            self.readers -= 1
+
+    async def _range_of(
+        self, trial_id: str, seq: int, position: int, count: int, tick: int | None, deadline: float
+    ) -> SampleRange:
         # Watched before reading: a sample committed after the read wakes the wait.
         with self.feed.watch([samples_key(seq)]) as watch:
             while True:
@@ -194,6 +203,7 @@ class TrialDatastore:
                 finished = progress.ended or progress.closed
                 left = deadline - time.monotonic()
                 if kept or finished or left <= 0:
+                    metrics.replayed_samples_total.inc(amount=len(kept))
                     return SampleRange(kept, start, stored, finished)
                 position = start  # where the reading stopped (a tick searched for: so far)
                 if position >= stored:  # else some came since the read: read again at once

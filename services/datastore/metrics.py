@@ -74,7 +74,9 @@ outage_held_batches_total = PlainCounter(
     PREFIX + "outage_held_batches_total",
     "Ingestion transactions held until the database came back from an outage.",
 )
-replayed_samples_total = PlainCounter(PREFIX + "replayed_samples_total", "Samples sent to readers.")
+replayed_samples_total = PlainCounter(
+    PREFIX + "replayed_samples_total", "Samples sent to readers (RetrieveSamples, RetrieveSampleRange)."
+)
 trial_return = PlainHistogram(
     PREFIX + "trial_return",
     "Return of each actor of a trial ended through a datalog stream (the sum of its rewards), "
@@ -96,7 +98,9 @@ trial_ticks = PlainHistogram(
 
 # Gauges: the figures of the process's datastore, read when scraped (`watch`).
 datalog_streams = Gauge(PREFIX + "datalog_streams", "Datalog streams open.")
-live_readers = Gauge(PREFIX + "live_readers", "RetrieveSamples streams open.")
+live_readers = Gauge(
+    PREFIX + "live_readers", "RetrieveSamples streams open and RetrieveSampleRange calls under way."
+)
 held_bytes = Gauge(
     PREFIX + "held_bytes",
     "Bytes of samples received and not yet committed, and acquired for the samples being read, "

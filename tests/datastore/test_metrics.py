@@ -12,7 +12,7 @@ import pytest
 
 from services.datastore.conversion import DatalogConverter
 from services.datastore.metrics import MAX_ACTOR_CLASS_LABELS, OTHER_ACTOR_CLASS, ActorClassLabels
-from shared.api import common_pb2, datalog_pb2
+from shared.api import common_pb2, datalog_pb2, trial_samples_pb2, trial_samples_pb2_grpc
 from shared.api import trial_datastore_pb2 as ds
 from tests.helpers.datastore import (
     add_trial,
@@ -23,6 +23,7 @@ from tests.helpers.datastore import (
     send_acknowledged,
     trial_params,
 )
+from tests.helpers.eventually import eventually
 from tests.helpers.exposed_metrics import delta, exposed, value
 from tests.helpers.running import RunningDatastore, make_datastore_factory
 
@@ -83,18 +84,23 @@ async def test_gauges_follow_open_streams_and_readers(datastore: RunningDatastor
     reader = datastore.stub.RetrieveSamples(ds.RetrieveSamplesRequest(trial_ids=["live"]))
     for _ in range(2):
         await reader.read()
+    samples = trial_samples_pb2_grpc.TrialSamplesSPStub(datastore.channel)
+    waiting = samples.RetrieveSampleRange(
+        trial_samples_pb2.RetrieveSampleRangeRequest(trial_id="live", first=2, timeout_ms=30_000)
+    )
+    await eventually(lambda: value(exposed(P), P + "live_readers") == 2, "the range waiting")
     during = exposed(P)
     assert value(during, P + "datalog_streams") == 1
-    assert value(during, P + "live_readers") == 1
 
     await send_acknowledged(call, datalog_inputs(trial_params(), full_trial(4)[2:])[1:])
     await call.done_writing()
     assert await call.read() == grpc.aio.EOF
     assert [await reader.read() for _ in range(3)][-1] == grpc.aio.EOF  # the last two, then the end
+    ranged = await waiting  # woken by tick 2, and tick 3 if it came by then
     after = exposed(P)
     assert value(after, P + "datalog_streams") == 0
     assert value(after, P + "live_readers") == 0
-    assert delta(before, after, P + "replayed_samples_total") == 4
+    assert delta(before, after, P + "replayed_samples_total") == 4 + len(ranged.samples) > 4
     assert delta(before, after, P + "trials_ended_total") == 1
 
 
