@@ -223,6 +223,7 @@ class TrialDatastore:
                 functools.partial(self.store.sample_sizes, seq, position, RANGE_MAX_COUNT)
             )
             rows = fitting_count(sizes, RANGE_MAX_BYTES, overhead=0)
+            batch_start = position
             if rows:
                 replayed = self._replayed(seq, position, sizes[:rows])
                 async with contextlib.aclosing(replayed):
@@ -237,6 +238,8 @@ class TrialDatastore:
                         kept.append(data)
                         size += len(data)
                         position += 1
+            if kept and start == batch_start and rows < len(sizes):
+                return kept, start  # all that fit from the range's start: the next cannot
             if rows == len(sizes) < RANGE_MAX_COUNT or len(kept) == count:
                 return kept, start if kept else position
 

@@ -93,13 +93,24 @@ async def test_the_datastore_finds_the_first_sample_of_a_tick(datastore: Running
     assert (list(missing.samples), missing.first, missing.samples_count) == ([], 120, 120)
 
 
-async def test_a_range_ends_early_past_its_bytes_but_never_empty(datastore: RunningDatastore) -> None:
+async def test_a_range_ends_early_past_its_bytes_but_never_empty(
+    datastore: RunningDatastore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     big = [datalog_sample(tick) for tick in range(4)]
     for sample in big:
         sample.observations.observations[0] = bytes(RANGE_MAX_BYTES // 2 + 1)
     await run_datalog(datastore, "big", big)
+    store = datastore.service.store
+    sample_sizes, looked = store.sample_sizes, []
+
+    async def counted(*args: Any) -> list[int]:
+        looked.append(args)
+        return await sample_sizes(*args)
+
+    monkeypatch.setattr(store, "sample_sizes", counted)
     first = await sample_range(datastore, "big", 0, 4)
     assert [sample.tick_id for sample in first.samples] == [0]  # a second would pass 2 MiB
+    assert len(looked) == 1  # nor read past what fits
     assert [sample.tick_id for sample in (await sample_range(datastore, "big", 3, 4)).samples] == [3]
 
 
