@@ -299,7 +299,7 @@ async def test_a_read_idle_for_longer_than_the_timeout_rides_out_another_fault(
             return list(proxies)
 
         buffer = ReplayBuffer(1000)
-        feed = DatastoreFeed(buffer, endpoints, actors=ActorSelection(), timeout_s=1.0)
+        feed = DatastoreFeed(buffer, endpoints, actors=ActorSelection(), timeout_s=2.0)
         buffer._feed = feed
         await asyncio.to_thread(feed.start)
         try:
@@ -313,14 +313,14 @@ async def test_a_read_idle_for_longer_than_the_timeout_rides_out_another_fault(
 
             first = reading()
             assert first is not None
-            proxies[first].cut()  # the read fails, and goes on from the other
-            proxies[first].restore()
+            proxies[first].cut()  # the read fails (its next range at the latest), and goes on
             await until(lambda: reading() not in (None, first), "the read going on from the other")
-            await asyncio.sleep(3.0)  # the trial idle, for three times the timeout
+            proxies[first].restore()  # (before its follower gives it up)
+            await asyncio.sleep(5.0)  # the trial idle, for more than twice the timeout
             second = reading()
             assert second is not None and second != first
             proxies[second].blackhole()  # its next range runs out of time
-            await asyncio.sleep(4.0)
+            await asyncio.sleep(6.0)
             await send_acknowledged(call, inputs[4:])
             await call.done_writing()
             await fed(buffer, ACTORS * 4)
