@@ -247,5 +247,6 @@ class Database:
             return revision
 
     async def close(self) -> None:
+        await self.dialect.settle(CLOSE_TIMEOUT_S)
         await self.dialect.engine.dispose()
         await asyncio.get_running_loop().run_in_executor(None, self.dialect.close, CLOSE_TIMEOUT_S)

@@ -104,5 +104,10 @@ class Dialect(ABC):
         """After an outage: connect again before the next work."""
 
     @abstractmethod
+    async def settle(self, timeout_s: float) -> None:
+        """Before closing: wait up to `timeout_s` for work its callers gave up on that still
+        holds a pooled connection."""
+
+    @abstractmethod
     def close(self, timeout_s: float) -> None:
         """Blocking: run it off the event loop."""

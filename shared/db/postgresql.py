@@ -128,11 +128,33 @@ class PostgresqlDialect(Dialect):
         # driver's waits through the event loop cost more than the statement's round trip.
         self._direct = _direct_thread(self.conninfo, "postgresql-direct")
         self._prober = _direct_thread(self.conninfo, "postgresql-probe")
+        # Reads whose callers were cancelled, still giving their connections back (`settle`).
+        self._cancelled: set[asyncio.Task[Any]] = set()
 
     async def fetch(
         self, statement: Executable, parameters: Mapping[str, Any] | None
     ) -> Sequence[Sequence[Any]]:
-        return await _cancelled_once(self._fetch(statement, parameters))
+        return await self._cancelled_once(self._fetch(statement, parameters))
+
+    async def _cancelled_once(self, work: Coroutine[Any, Any, T]) -> T:
+        """`work`, which holds a pooled connection, in a task of its own that a cancellation of
+        the caller cancels once. A second cancellation (gRPC can cancel a handler twice: the
+        call, then the server stopping) interrupted the connection's way back to its pool, which
+        SQLAlchemy then dropped with a warning when garbage collected; so did closing while the
+        task still cancelled its statement (see `settle`)."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.cancel()
+            self._cancelled.add(task)
+            task.add_done_callback(self._cancelled.discard)
+            task.add_done_callback(_outcome_seen)
+            raise
+
+    async def settle(self, timeout_s: float) -> None:
+        if self._cancelled:
+            await asyncio.wait(set(self._cancelled), timeout=timeout_s)
 
     async def _fetch(
         self, statement: Executable, parameters: Mapping[str, Any] | None
@@ -313,20 +335,6 @@ class _Listener(Hearing):
 async def _answered(connection: psycopg.AsyncConnection[Any], sql: str) -> None:
     """`sql` on the listening connection, failing if it is not answered within CONNECT_TIMEOUT_S."""
     await _within(connection.execute(sql), connection, CONNECT_TIMEOUT_S)
-
-
-async def _cancelled_once(work: Coroutine[Any, Any, T]) -> T:
-    """`work`, which holds a pooled connection, in a task of its own that a cancellation of the
-    caller cancels once. A second cancellation (gRPC can cancel a handler twice: the call, then
-    the server stopping) interrupted the connection's way back to its pool, which SQLAlchemy
-    then dropped with a warning when garbage collected."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.cancel()
-        task.add_done_callback(_outcome_seen)
-        raise
 
 
 def _outcome_seen(task: asyncio.Future[Any]) -> None:

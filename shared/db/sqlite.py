@@ -186,6 +186,9 @@ class SqliteDialect(Dialect):
     def reset(self) -> None:
         """Nothing pooled: the threads' connections recover from their failures themselves."""
 
+    async def settle(self, timeout_s: float) -> None:
+        """Nothing to wait for: its work runs on its own threads, which `close` joins."""
+
     def close(self, timeout_s: float) -> None:
         self._reader.close(timeout_s)
         self._writer.close(timeout_s)

@@ -52,3 +52,20 @@ async def test_a_call_cancelled_twice_gives_its_connection_back(
         assert await database.fetch(text("SELECT 1")) == [(1,)]
     finally:
         await database.close()
+
+
+async def test_closing_waits_for_the_reads_given_up_on(database_url: str) -> None:
+    """Their tasks still cancel their statements when the caller has gone: closed meanwhile,
+    then the event loop ending, they would be destroyed holding their connections."""
+    database = Database(database_url, pool_size=2)
+    await database.migrate()
+    statement = text(
+        {"sqlite": SLOW["sqlite"], "postgresql": "SELECT pg_sleep(1)"}[database.engine.dialect.name]
+    )
+    reads = [asyncio.ensure_future(database.fetch(statement)) for _ in range(2)]
+    await asyncio.sleep(0.1)  # under way
+    for read in reads:
+        read.cancel()
+    await asyncio.gather(*reads, return_exceptions=True)
+    await database.close()
+    assert not [task for task in asyncio.all_tasks() if "_fetch" in repr(task.get_coro())]
