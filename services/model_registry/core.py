@@ -14,6 +14,7 @@ after a grace period, so downloads already under way finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import secrets
 import time
@@ -281,17 +282,19 @@ class ModelRegistry:
             if hot is not None:
                 sent = 0
                 try:
-                    async for view in hot:
-                        sent += len(view)
-                        yield view
+                    async with contextlib.aclosing(hot):
+                        async for view in hot:
+                            sent += len(view)
+                            yield view
                 finally:
                     metrics.sent_bytes_total.inc(amount=sent)
                 return
         sent = 0
         try:
-            async for chunk in self._blobs.read(record.blob_key, self.chunk_size):
-                sent += len(chunk)
-                yield chunk
+            async with contextlib.aclosing(self._blobs.read(record.blob_key, self.chunk_size)) as chunks:
+                async for chunk in chunks:
+                    sent += len(chunk)
+                    yield chunk
         finally:
             metrics.sent_bytes_total.inc(amount=sent)
         if not sent:

@@ -1,6 +1,7 @@
-"""The hot-version cache: loads reserve their size first, least recently used versions make room,
-a version that cannot find room is left to streaming without evicting anything, and readers are
-sent a version's bytes as its one load brings them in."""
+"""The hot-version cache: loads reserve their size first, least recently used versions nobody is
+reading make room, a version that cannot find room is left to streaming without evicting anything,
+readers are sent a version's bytes as its one load brings them in, and a version's bytes count
+in the budget until it has left the cache and its last reader is done."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ def chunks_of(*parts: bytes, gate: asyncio.Event | None = None) -> Fill:
         if gate is not None:
             await gate.wait()
         filled = 0
-        for part in parts:
+        for index, part in enumerate(parts):
+            if index:
+                await asyncio.sleep(0)
             buffer[filled : filled + len(part)] = part
             filled += len(part)
             arrived(filled)
-            await asyncio.sleep(0)
 
     return fill
 
@@ -101,3 +103,36 @@ async def test_a_version_forgotten_while_it_loads_is_not_kept() -> None:
     gate.set()
     assert await reader == b"v" * 100  # its reader still gets what it asked for
     assert await read(cache, "v", 100, chunks_of(b"w" * 100)) == b"w" * 100  # not kept
+
+
+async def test_a_version_being_read_is_not_evicted_and_counts_until_its_reader_is_done() -> None:
+    cache = HotVersions(1000)
+    for key in "abcd":
+        assert await read(cache, key, 250, chunks_of(key.encode() * 250)) == key.encode() * 250
+    slow = cache.chunks("a", 250, chunks_of(b"never read"), 64)
+    assert slow is not None
+    assert bytes(await anext(slow)) == b"a" * 64  # a download of "a" under way
+    for key in "bcd":
+        assert await read(cache, key, 250, chunks_of(b"never read")) == key.encode() * 250
+    # "a" is the least recently used, but being read: "b" makes room.
+    assert await read(cache, "e", 250, chunks_of(b"e" * 250)) == b"e" * 250
+    assert await read(cache, "a", 250, chunks_of(b"never read")) == b"a" * 250
+    assert await read(cache, "b", 250, chunks_of(b"x" * 250)) == b"x" * 250  # "b" was evicted
+    assert cache.held_bytes == 1000
+    # A forgotten version's bytes stay counted while its download goes on, and leave with it.
+    cache.forget(["a"])
+    assert cache.held_bytes == 1000
+    assert b"".join([bytes(chunk) async for chunk in slow]) == b"a" * 186
+    assert cache.held_bytes == 750
+
+
+async def test_a_reader_that_stops_early_releases_its_version() -> None:
+    cache = HotVersions(400)
+    assert await read(cache, "a", 300, chunks_of(b"a" * 300)) == b"a" * 300
+    reader = cache.chunks("a", 300, chunks_of(b"never read"), 64)
+    assert reader is not None
+    await anext(reader)
+    assert cache.chunks("b", 150, chunks_of(b"b" * 150), 64) is None  # "a" is being read
+    await reader.aclose()
+    assert await read(cache, "b", 150, chunks_of(b"b" * 150)) == b"b" * 150  # "a" evicted now
+    assert cache.held_bytes == 150

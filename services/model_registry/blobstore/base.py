@@ -26,7 +26,7 @@ import functools
 import hashlib
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -367,7 +367,7 @@ class BlobStore(abc.ABC):
         ):
             return await self._open_upload(key)
 
-    def read(self, key: str, chunk_size: int) -> AsyncIterator[bytes]:
+    def read(self, key: str, chunk_size: int) -> AsyncGenerator[bytes, None]:
         """The blob in chunks of exactly `chunk_size` bytes, the last one shorter (nothing at all
         for an empty blob). Raises BlobNotFound (on first iteration) if there is no such blob.
         Close the iterator when stopping early (`contextlib.aclosing`) to release it at once."""
@@ -437,7 +437,7 @@ class BlobStore(abc.ABC):
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await _result(self._executor.submit(fn, *args))
 
-    async def _read(self, key: str, chunk_size: int) -> AsyncIterator[bytes]:
+    async def _read(self, key: str, chunk_size: int) -> AsyncGenerator[bytes, None]:
         opening = self._executor.submit(self._open_source, key)
         try:
             with (
