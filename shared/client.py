@@ -3,7 +3,6 @@ timeout of its calls, and failures said in words a user can act on (`ClientError
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Sequence
 from types import TracebackType
 from typing import ClassVar, TypeVar
@@ -14,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.api import common_pb2
 from shared.channel import ClientTls, TlsFileError, open_channel, tls_for
 from shared.endpoints import GrpcEndpoint, parse_grpc_endpoint
+from shared.supervision import within
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -126,8 +126,8 @@ class ServiceClient:
     async def within_timeout(self, step: Awaitable[T], call: grpc.aio.Call | None = None) -> T:
         """`step`, or a ClientError (cancelling `call`) if it takes longer than the timeout."""
         try:
-            return await asyncio.wait_for(step, self.timeout_s)
-        except asyncio.TimeoutError:
+            return await within(step, self.timeout_s)
+        except TimeoutError:
             if call is not None:
                 call.cancel()
             raise ClientError(self.no_answer()) from None

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from shared.errors import classify
 from shared.logging import get_logger
@@ -24,6 +24,8 @@ STEP_STOP_S = 2.0
 RECANCEL_PERIOD_S = 0.1
 
 log = get_logger("shared.supervision")
+
+T = TypeVar("T")
 
 
 def backoff_delay(failures: int) -> float:
@@ -43,6 +45,41 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
         await asyncio.wait([task], timeout=RECANCEL_PERIOD_S)
     if not task.cancelled():
         task.result()
+
+
+async def uninterrupted(work: Awaitable[T]) -> T:
+    """`work`'s result, `work` run to its end even when the caller is cancelled meanwhile (a
+    resource taken or given back must not be left half way); that cancellation is raised once
+    `work` has succeeded (what it failed with, if it failed)."""
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as error:
+            if task.done():
+                break
+            cancelled = error
+    if cancelled is not None:
+        raise cancelled
+    return task.result()
+
+
+async def within(step: Awaitable[T], timeout_s: float) -> T:
+    """`step`'s result, or TimeoutError (`step` cancelled) once `timeout_s` have passed. Unlike
+    `asyncio.wait_for` on Python 3.11 and older, which returns the result when the caller's
+    cancellation arrives just as `step` completes, it never swallows a cancellation (Ctrl-C
+    during an import was lost so, and the import then waited for its input forever)."""
+    task = asyncio.ensure_future(step)
+    try:
+        await asyncio.wait([task], timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        raise TimeoutError(f"not done within {timeout_s:g} s")
+    return task.result()
 
 
 class FailureStreak:

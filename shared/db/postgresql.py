@@ -31,7 +31,7 @@ from sqlalchemy.sql.base import Executable
 from shared.db.changes import Publication
 from shared.db.dialect import PUBLISHED, Dialect, Hearing, rows_of
 from shared.db.threads import ConnectionThread
-from shared.supervision import FailureStreak, cancel_and_wait
+from shared.supervision import FailureStreak, cancel_and_wait, uninterrupted
 
 CONNECT_TIMEOUT_S = 5
 # Work on a connection of the dialect's own threads that runs longer is interrupted (its connection
@@ -159,10 +159,18 @@ class PostgresqlDialect(Dialect):
     async def _fetch(
         self, statement: Executable, parameters: Mapping[str, Any] | None
     ) -> Sequence[Sequence[Any]]:
-        async with self._autocommit.connect() as connection:
+        connection = self._autocommit.connect()
+        try:
+            # Checked out uninterrupted: SQLAlchemy (2.1) turns autocommit on after the checkout,
+            # an await whose cancellation left the connection out of the pool (dropped, with a
+            # warning, when collected). Given back the same way, as `async with` does.
+            await uninterrupted(connection.start())
             raw = (await connection.get_raw_connection()).driver_connection
             result = await _within(connection.execute(statement, parameters), raw, STATEMENT_DEADLINE_S)
             return rows_of(result)
+        finally:
+            if connection.sync_connection is not None:  # checked out
+                await uninterrupted(connection.close())
 
     async def transaction(self, run: Callable[[Connection], T], finished: Callable[[], None]) -> T:
         try:

@@ -1,4 +1,5 @@
-"""Supervised background work: stopping it always ends it, and a failing step is retried."""
+"""Supervised background work: stopping it always ends it, and a failing step is retried; work
+that must not stop half way runs to its end through its caller's cancellations."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from shared.supervision import Periodic, cancel_and_wait
+from shared.supervision import Periodic, cancel_and_wait, uninterrupted, within
 
 # Far above what stopping takes; reaching it means the stop hung.
 STOP_LIMIT_S = 5.0
@@ -51,6 +52,61 @@ async def test_cancel_and_wait_raises_what_the_task_failed_with() -> None:
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="failed while cancelled"):
         await cancel_and_wait(task)
+
+
+async def test_uninterrupted_work_ends_before_its_callers_cancellation_is_raised() -> None:
+    release = asyncio.Event()
+    finished: list[str] = []
+
+    async def give_back() -> str:
+        await release.wait()
+        finished.append("given back")
+        return "done"
+
+    caller = asyncio.create_task(uninterrupted(give_back()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    await asyncio.sleep(0)
+    caller.cancel()  # twice, as gRPC can
+    await asyncio.sleep(0.01)
+    assert not caller.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert finished == ["given back"]
+    assert await uninterrupted(give_back()) == "done"
+
+
+async def test_uninterrupted_work_that_fails_raises_its_failure() -> None:
+    async def failing() -> None:
+        await asyncio.sleep(0)
+        raise ConnectionError("server away")
+
+    caller = asyncio.create_task(uninterrupted(failing()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(ConnectionError):
+        await caller
+
+
+async def test_a_cancellation_arriving_as_the_step_completes_is_not_swallowed() -> None:
+    """`asyncio.wait_for` (Python 3.11) returned the step's result here."""
+    step: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    caller = asyncio.create_task(within(step, 10))
+    await asyncio.sleep(0)  # waiting for the step
+    step.set_result(1)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+
+
+async def test_a_step_that_outlasts_its_time_is_cancelled() -> None:
+    step = asyncio.ensure_future(asyncio.sleep(3600))
+    with pytest.raises(TimeoutError):
+        await within(step, 0.01)
+    await asyncio.gather(step, return_exceptions=True)
+    assert step.cancelled()
+    assert await within(asyncio.sleep(0, "done"), 1) == "done"
 
 
 async def test_a_periodic_task_woken_as_it_is_stopped_stops() -> None:
